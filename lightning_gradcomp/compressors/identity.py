@@ -1,0 +1,73 @@
+"""Dense formats: no compression, and casts to 16-bit floats.
+
+``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are summable: like PyTorch's
+``fp16_compress_hook`` the transport divides by the world size *before* the 16-bit all-reduce, so the
+sum cannot overflow fp16's range of ±65504.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+
+
+class NoCompression(Compressor):
+    """Sends the gradient as it is: the same all-reduce as plain DDP, through the same hook."""
+
+    name = "none"
+    biased = False
+
+    @property
+    def summable(self) -> bool:
+        return True
+
+    def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (dtype,)
+
+    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
+        return (numel,)
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        return Payload((tensor,), tensor.numel(), tensor.numel())
+
+    def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
+        out.add_(payload.parts[0], alpha=alpha)
+
+
+class _Cast(Compressor):
+    """Round to a 16-bit float format; the all-reduce sums in that format."""
+
+    biased = False
+    wire_dtype: torch.dtype = torch.float16
+
+    @property
+    def summable(self) -> bool:
+        return True
+
+    def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (self.wire_dtype,)
+
+    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
+        return (numel,)
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        return Payload((tensor.to(self.wire_dtype),), tensor.numel(), tensor.numel())
+
+    def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
+        out.add_(payload.parts[0].to(out.dtype), alpha=alpha)
+
+
+class FP16(_Cast):
+    """IEEE half precision (5-bit exponent): 2x fewer bytes than fp32, range ±65504."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16(_Cast):
+    """bfloat16 (8-bit exponent, 7-bit mantissa): 2x fewer bytes than fp32, fp32's range."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

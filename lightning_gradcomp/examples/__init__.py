@@ -1,0 +1,1 @@
+"""Small, real, offline models and data modules used by the recipes, the tests and the benchmarks."""

@@ -1,0 +1,79 @@
+"""Per-worker memory of the compression: error-feedback residuals and compressor state.
+
+Error feedback (Seide et al. 2014; Stich et al. 2018; 000 §3.1.1; 003 Alg. 1)::
+
+    p_t     = g_t + e_t          (compensate)
+    send      C(p_t)
+    e_{t+1} = p_t - C(p_t)       (update)
+
+so that ``C(p_t) + e_{t+1} == p_t``. For sparsifiers the invariant holds bit for bit: the residual is
+``p_t`` with the sent coordinates set to exactly zero.
+
+Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
+first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient:
+where ``p_t - C(p_t)`` is NaN or Inf, the previous residual is kept (such steps are skipped by AMP's
+gradient scaler, or visible in the loss, but the memory stays usable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor, Payload
+
+
+class CompressionMemory:
+    """Residuals (error feedback) and per-parameter compressor state of one worker."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, Tensor] = {}
+        self.states: dict[str, dict[str, Tensor]] = {}
+
+    def compensate(self, name: str, grad: Tensor) -> Tensor:
+        """``p = g + e``: a new tensor; ``grad`` is not modified."""
+        residual = self.residuals.get(name)
+        if residual is None or residual.shape != grad.shape:
+            return grad.clone()
+        return grad + residual
+
+    def update(self, name: str, corrected: Tensor, payload: Payload, compressor: Compressor) -> Tensor:
+        """Store ``e = p - C(p)``, keeping the previous value wherever the new one is not finite.
+
+        ``corrected`` (``p``) is consumed: the residual is computed in its storage. Returns the residual.
+        """
+        residual = corrected
+        compressor.accumulate(payload, residual, alpha=-1.0)
+        finite = torch.isfinite(residual)
+        previous = self.residuals.get(name)
+        fallback = previous if previous is not None and previous.shape == residual.shape else 0.0
+        residual = torch.where(finite, residual, fallback)
+        self.residuals[name] = residual
+        return residual
+
+    def state(self, name: str) -> dict[str, Tensor]:
+        """The mutable compressor state of one parameter (created empty)."""
+        return self.states.setdefault(name, {})
+
+    def clear(self) -> None:
+        self.residuals.clear()
+        self.states.clear()
+
+    def squared_residual_norm(self) -> float:
+        """``sum ||e||^2`` over all parameters."""
+        return float(sum(float(r.double().pow(2).sum()) for r in self.residuals.values()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """CPU copies, safe for ``torch.load(weights_only=True)``."""
+        return {
+            "residuals": {name: r.detach().cpu().clone() for name, r in self.residuals.items()},
+            "states": {name: {k: v.detach().cpu().clone() for k, v in s.items()} for name, s in self.states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.residuals = {name: r.to(device) for name, r in state.get("residuals", {}).items()}
+        self.states = {
+            name: {k: v.to(device) for k, v in s.items()} for name, s in state.get("states", {}).items()
+        }

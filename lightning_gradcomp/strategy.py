@@ -1,0 +1,222 @@
+"""``GradCompStrategy``: Lightning's DDP with compressed gradient exchange, registered as ``"gradcomp"``."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.stats import StepStats
+
+CHECKPOINT_KEY = "gradcomp"
+_CHECKPOINT_VERSION = 1
+_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self", "module", "device_ids", "output_device", "process_group",
+}
+_REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class GradCompStrategy(DDPStrategy):
+    """Data-parallel training whose gradients cross the network compressed.
+
+    A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
+    :func:`~lightning_gradcomp.hook.gradcomp_hook` communication hook on every device type, CPU (gloo)
+    included. Every ``DDPStrategy`` argument is accepted, except the ``ddp_comm_*`` hook arguments, which
+    this strategy replaces.
+
+    Args:
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name
+            (``"none"``, ``"fp16"``, ``"bf16"``, ``"topk"``, ``"randomk"``, ``"threshold"``, ``"qsgd"``...).
+            Default: Top-k at density 0.01.
+        error_feedback: keep residuals ``e = p - C(p)`` and add them to the next gradient. ``None``
+            (default) switches it on for biased compressors and off for unbiased ones.
+        min_compress_numel: tensors with fewer elements (biases, norms) are all-reduced dense.
+        seed: base seed of the compressors' generators; identical on all ranks.
+        log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
+            through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
+        **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
+    """
+
+    strategy_name = "gradcomp"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "topk",
+        error_feedback: Optional[bool] = None,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        log_stats: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        replaced = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
+                    "ddp_comm_wrapper": ddp_comm_wrapper, "model_averaging_period": model_averaging_period}
+        given = [name for name, value in replaced.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"GradCompStrategy installs its own communication hook; `{'`, `'.join(given)}` must be None "
+                f"(allowed: leave {', '.join(_REPLACED_DDP_ARGS)} unset; use DDPStrategy for custom hooks)"
+            )
+        unknown = sorted(set(kwargs) - _DDP_KWARGS)
+        if unknown:
+            raise ValueError(
+                f"GradCompStrategy: unknown DistributedDataParallel argument(s) {unknown}; "
+                f"allowed: {', '.join(sorted(_DDP_KWARGS))}"
+            )
+        bucket_cap_mb = kwargs.get("bucket_cap_mb")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
+            raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {bucket_cap_mb!r}")
+        if error_feedback not in (None, True, False):
+            raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver', got {start_method!r}"
+            )
+        self.compressor = get_compressor(compressor)
+        self.error_feedback = error_feedback
+        self.min_compress_numel = check_int(min_compress_numel, "min_compress_numel", 0)
+        self.seed = check_int(seed, "seed", 0)
+        self.log_stats = bool(log_stats)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self.hook_state: Optional[GradCompHookState] = None
+        self.step_stats = StepStats()
+        self._pending_checkpoint: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants."""
+        for name, start_method in (
+            ("gradcomp", "popen"),
+            ("gradcomp_spawn", "spawn"),
+            ("gradcomp_fork", "fork"),
+            ("gradcomp_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
+
+    # ------------------------------------------------------------------ hook installation
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers hooks only on CUDA; gloo on CPU supports them just as well.
+        assert isinstance(self.model, DistributedDataParallel)
+        assert self.lightning_module is not None
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        self.hook_state = GradCompHookState(
+            self.compressor,
+            names,
+            error_feedback=self.error_feedback,
+            min_compress_numel=self.min_compress_numel,
+            seed=self.seed,
+        )
+        self._restore_pending()
+        self.model.register_comm_hook(self.hook_state, gradcomp_hook)
+
+    # ------------------------------------------------------------------ per-step figures
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.hook_state is not None:
+            self.step_stats = self.hook_state.take_step_stats()
+            if self.log_stats:
+                self._log_step_stats()
+        return output
+
+    def _log_step_stats(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0:
+            return
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps != 0:
+            return
+        figures = torch.tensor(self.step_stats.as_list(), dtype=torch.float64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(figures)
+            figures /= dist.get_world_size()
+        metrics = StepStats.from_list(figures.tolist()).metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ checkpointing
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Add every rank's residuals and compressor state to the checkpoint (gathered on rank 0)."""
+        if self.hook_state is not None and dist.is_available() and dist.is_initialized():
+            local = self.hook_state.state_dict()
+            gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(local, gathered, dst=0)
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "version": _CHECKPOINT_VERSION,
+                    "world_size": self.world_size,
+                    "compressor": type(self.compressor).__name__,
+                    "ranks": gathered,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        if self.hook_state is not None:
+            self._restore_pending()
+        return checkpoint
+
+    def _restore_pending(self) -> None:
+        saved, self._pending_checkpoint = self._pending_checkpoint, None
+        if saved is None or self.hook_state is None:
+            return
+        if saved.get("world_size") != self.world_size:
+            rank_zero_warn(
+                f"gradcomp: the checkpoint holds error-feedback memory of {saved.get('world_size')} workers, this "
+                f"run has {self.world_size}; the residuals are dropped and start from zero."
+            )
+            return
+        if saved.get("compressor") != type(self.compressor).__name__:
+            rank_zero_warn(
+                f"gradcomp: the checkpoint's memory belongs to {saved.get('compressor')}, this run uses "
+                f"{type(self.compressor).__name__}; the residuals are dropped and start from zero."
+            )
+            return
+        self.hook_state.load_state_dict(saved["ranks"][self.global_rank], self.root_device)

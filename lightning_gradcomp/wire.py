@@ -1,0 +1,80 @@
+"""Byte layout of gathered payloads: many typed parts in one uint8 buffer, and back.
+
+All payloads of one DDP bucket that are not summable travel in a single uint8 tensor, so one
+``all_gather`` moves them. Each part starts at an offset aligned to its own item size (so it can be
+re-read with ``Tensor.view(dtype)`` without a copy) and the buffer is padded to a multiple of 8 bytes.
+Sender and receivers derive the same layout from ``(compressor, numel, count)`` alone: nothing but the
+parts and, for data-dependent counts, the counts themselves crosses the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Compressor
+
+ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one payload part lives in the buffer."""
+
+    offset: int
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _align(offset: int, to: int) -> int:
+    return -(-offset // to) * to
+
+
+def layout(
+    compressor: Compressor, shapes: Sequence[tuple[int, int]], grad_dtype: torch.dtype
+) -> tuple[list[list[Slot]], int]:
+    """Slots of every part of every payload, given ``(numel, count)`` per payload, and the total size."""
+    dtypes = compressor.part_dtypes(grad_dtype)
+    offset = 0
+    slots: list[list[Slot]] = []
+    for numel, count in shapes:
+        payload_slots = []
+        for dtype, part_numel in zip(dtypes, compressor.payload_numels(numel, count)):
+            offset = _align(offset, _itemsize(dtype))
+            payload_slots.append(Slot(offset, dtype, part_numel))
+            offset += payload_slots[-1].nbytes
+        slots.append(payload_slots)
+    return slots, _align(offset, ALIGNMENT)
+
+
+def serialize(parts: Sequence[Sequence[Tensor]], slots: Sequence[Sequence[Slot]], total: int,
+              device: torch.device) -> Tensor:
+    """Copy every part into its slot of a new uint8 buffer of ``total`` bytes (padding is zero)."""
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    for payload_parts, payload_slots in zip(parts, slots):
+        for part, slot in zip(payload_parts, payload_slots):
+            if part.dtype != slot.dtype or part.numel() != slot.numel:
+                raise RuntimeError(
+                    f"payload part is {part.dtype}[{part.numel()}], the layout expects {slot.dtype}[{slot.numel}]"
+                )
+            buffer[slot.offset:slot.offset + slot.nbytes].copy_(part.reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def deserialize(buffer: Tensor, slots: Sequence[Sequence[Slot]]) -> list[tuple[Tensor, ...]]:
+    """Views (no copies) of every part in ``buffer``."""
+    return [
+        tuple(buffer[s.offset:s.offset + s.nbytes].view(s.dtype) for s in payload_slots)
+        for payload_slots in slots
+    ]

@@ -1,0 +1,90 @@
+"""A real (multi-process) Lightning run on scikit-learn's digits, driven by the tests.
+
+Every rank writes ``<out>.rank<R>.pt`` with its final parameters, per-step figures and the hook's
+counters, so tests can compare runs and ranks. Run as ``python train_digits.py --out /tmp/x ...``;
+Lightning's ``popen`` launcher starts the other ranks by re-running this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
+from lightning_gradcomp import GradCompStrategy, get_compressor
+from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+
+class RecordSteps(Callback):
+    """Keeps this rank's figures of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, GradCompStrategy):
+            stats = strategy.step_stats
+            self.steps.append({"global_step": trainer.global_step, "buckets": stats.buckets,
+                               "bytes_sent": stats.bytes_sent, "bytes_dense": stats.bytes_dense,
+                               "density": stats.density, "hook_step": strategy.hook_state.step})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="gradcomp", choices=["gradcomp", "ddp"])
+    parser.add_argument("--compressor", default="topk", choices=sorted(COMPRESSORS))
+    parser.add_argument("--density", type=float, default=None)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--resume", default=None, help="checkpoint to resume from")
+    parser.add_argument("--save", default=None, help="write a checkpoint here after fit")
+    parser.add_argument("--test", action="store_true", help="report test accuracy")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+    L.seed_everything(args.seed, verbose=False)
+    compressor = get_compressor(args.compressor)
+    if args.density is not None:
+        compressor.density = args.density
+    strategy = GradCompStrategy(compressor=compressor) if args.strategy == "gradcomp" else "ddp"
+    recorder = RecordSteps()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
+        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=[recorder],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+    )
+    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
+    data = DigitsDataModule(batch_size=32)
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    result = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "global_step": trainer.global_step,
+        "steps": recorder.steps,
+        "world_size": trainer.world_size,
+    }
+    if isinstance(trainer.strategy, GradCompStrategy):
+        state = trainer.strategy.hook_state
+        result.update(hook_calls=state.hook_calls, hook_step=state.step,
+                      residual_norm=state.memory.squared_residual_norm())
+    if args.test:
+        result["test_acc"] = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
+    torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
