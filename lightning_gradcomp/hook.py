@@ -193,6 +193,10 @@ class GradCompHookState:
         all_counts = self.transport.exchange_counts(counts).tolist()
         rank_shapes = [[(numel, count) for (numel, _), count in zip(shapes, row)] for row in all_counts]
         longest = max(wire.layout(self.compressor, s, dtype)[1] for s in rank_shapes)
+        if longest == 0:  # nothing selected on any rank: the counts said it all
+            empty: Future = Future()
+            empty.set_result(buffer.new_zeros(world_size, 0))
+            return empty, rank_shapes
         if longest > total:
             buffer = torch.cat([buffer, buffer.new_zeros(longest - total)])
         return self.transport.all_gather(buffer), rank_shapes

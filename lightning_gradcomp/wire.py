@@ -74,7 +74,10 @@ def serialize(parts: Sequence[Sequence[Tensor]], slots: Sequence[Sequence[Slot]]
 
 def deserialize(buffer: Tensor, slots: Sequence[Sequence[Slot]]) -> list[tuple[Tensor, ...]]:
     """Views (no copies) of every part in ``buffer``."""
-    return [
-        tuple(buffer[s.offset:s.offset + s.nbytes].view(s.dtype) for s in payload_slots)
-        for payload_slots in slots
-    ]
+    return [tuple(_read(buffer, slot) for slot in payload_slots) for payload_slots in slots]
+
+
+def _read(buffer: Tensor, slot: Slot) -> Tensor:
+    if slot.nbytes == 0:  # an empty slice may sit at any storage offset, which view(dtype) refuses
+        return torch.empty(0, dtype=slot.dtype, device=buffer.device)
+    return buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)

@@ -70,6 +70,7 @@ class QSGD(Compressor):
         buckets = self._buckets(tensor.float())
         norms = torch.linalg.vector_norm(buckets, dim=1)
         scaled = buckets.abs() * (self.levels / norms.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1)
+        scaled = scaled.clamp_max(self.levels)  # rounding may push |v_i| = ||v|| a hair above s
         lower = scaled.floor()
         noise = torch.rand(scaled.shape, generator=ctx.generator(tensor.device, per_rank=True), device=tensor.device)
         level = lower + (noise < scaled - lower).to(scaled.dtype)

@@ -13,6 +13,7 @@ import warnings
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
 from lightning_gradcomp import GradCompStrategy, get_compressor
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     parser.add_argument("--save", default=None, help="write a checkpoint here after fit")
     parser.add_argument("--test", action="store_true", help="report test accuracy")
+    parser.add_argument("--csv", default=None, help="log to a CSVLogger in this directory")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -63,7 +65,8 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=[recorder],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(args.csv, name="run") if args.csv else False, log_every_n_steps=5,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
     )
     model = DigitsClassifier(lr=args.lr, momentum=args.momentum)

@@ -1,0 +1,158 @@
+"""Worker functions for tests that run in real gloo process groups (imported by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.compressors import FP16, QSGD, CompressContext, HardThreshold, NoCompression, RandomK, TopK
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+
+
+class ListBucket:
+    """A bucket of gradients laid out like DDP's ``GradBucket``: views into one flat buffer."""
+
+    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], last: bool = True) -> None:
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+        self._views = list(self._buffer.split([g.numel() for g in grads]))
+        self._views = [v.view(g.shape) for v, g in zip(self._views, grads)]
+        self._params, self._last = params, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def index(self) -> int:
+        return 0
+
+
+class CollectiveSpy:
+    """Wraps torch.distributed's collectives and records the bytes of every input tensor handed to them."""
+
+    NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls: list[tuple[str, torch.dtype, int]] = []
+        self._originals = {}
+
+    def __enter__(self) -> "CollectiveSpy":
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._originals[name] = original
+
+            def wrapper(*args, _name=name, _original=original, **kwargs):
+                tensor = args[0] if _name == "all_reduce" else args[1]
+                tensors = tensor if isinstance(tensor, list) else [tensor]
+                for t in tensors:
+                    self.bytes += t.numel() * t.element_size()
+                    self.calls.append((_name, t.dtype, t.numel()))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def _local_grads(rank: int, shapes: list[tuple[int, ...]], step: int, scale_by_rank: bool = False) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    scale = (1.0 if rank == 0 else 1e-3) if scale_by_rank else 1.0
+    return [torch.randn(shape, generator=generator) * scale for shape in shapes]
+
+
+def _exchange(state: GradCompHookState, params, grads) -> torch.Tensor:
+    bucket = ListBucket(params, grads)
+    return gradcomp_hook(state, bucket).wait().clone()
+
+
+def check_counted_bytes_and_averages(rank: int, world_size: int) -> None:
+    """For each compressor: the bytes the hook reports equal the bytes handed to the collectives, and
+    the result equals the average over workers of each worker's decompressed payload."""
+    shapes = [(100, 200), (300,), (50, 40)]  # the 300-element bias goes dense
+    params = [torch.empty(s) for s in shapes]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    cases = [
+        (TopK(0.01), False, 0.0),
+        (RandomK(0.02), False, 0.0),
+        (RandomK(0.02, shared_indices=False), False, 0.0),
+        (HardThreshold(2.5), True, 0.0),
+        (QSGD(levels=8, bucket_size=128), False, 1e-6),
+        (NoCompression(), False, 0.0),
+        (FP16(), False, 2e-3),
+    ]
+    for compressor, uneven, tolerance in cases:
+        state = GradCompHookState(compressor, names, error_feedback=False, min_compress_numel=1024)
+        grads = _local_grads(rank, shapes, step=0, scale_by_rank=uneven)
+        with CollectiveSpy() as spy:
+            result = _exchange(state, params, grads)
+        stats = state.take_step_stats()
+        assert stats.bytes_sent == spy.bytes == state.transport.bytes_sent, (compressor, stats, spy.calls)
+        assert stats.bytes_dense == sum(g.numel() for g in grads) * 4
+
+        expected = []
+        for g_index, shape in enumerate(shapes):
+            total = torch.zeros(torch.Size(shape).numel())
+            for r in range(world_size):
+                g = _local_grads(r, shapes, step=0, scale_by_rank=uneven)[g_index].reshape(-1)
+                if g.numel() < 1024:
+                    total += g / world_size
+                    continue
+                ctx = CompressContext(f"p{g_index}", 0, r, world_size, 0)
+                total += compressor.decompress(compressor.compress(g, ctx)) / world_size
+            expected.append(total)
+        torch.testing.assert_close(result, torch.cat(expected), rtol=tolerance, atol=tolerance)
+        if isinstance(compressor, HardThreshold):
+            assert any(c[1] == torch.int32 and c[2] == 2 for c in spy.calls), "counts were exchanged"
+
+
+def check_topk_ratio_is_fifty(rank: int, world_size: int) -> None:
+    """Top-k at density 0.01, fp32 values and int32 indices: 8 bytes per kept element, a 50x ratio."""
+    param = torch.empty(1000, 400)
+    state = GradCompHookState(TopK(0.01), {id(param): "w"}, min_compress_numel=1024)
+    with CollectiveSpy() as spy:
+        _exchange(state, [param], _local_grads(rank, [(1000, 400)], step=0))
+    stats = state.take_step_stats()
+    assert spy.bytes == stats.bytes_sent == 4000 * 8
+    assert stats.compression_ratio == 50.0
+    assert stats.density == 0.01
+
+
+def check_multibucket_ddp_stays_in_sync(rank: int, world_size: int) -> None:
+    """A real DDP model split in several buckets, with data-dependent payload sizes (hard threshold)
+    and error feedback: every rank ends with identical parameters, and the hook ran on every bucket."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512),
+                          nn.Tanh(), nn.Linear(512, 4))
+    # The first bucket holds up to 1 MiB whatever bucket_cap_mb says; 2 MiB of weights make 3+ buckets.
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = GradCompHookState(HardThreshold(0.002), names, min_compress_numel=64)
+    ddp.register_comm_hook(state, gradcomp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        optimizer.zero_grad()
+        x = torch.randn(16, 32, generator=generator)
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+    assert state.step == 6
+    assert state.hook_calls > 6 * 2, f"several buckets per step, got {state.hook_calls}"
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered)
+    assert state.memory.residuals, "error feedback kept residuals"

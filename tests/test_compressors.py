@@ -1,0 +1,138 @@
+"""Single-process tests of the compressors: selection, wire sizes, unbiasedness, round trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    CompressContext,
+    HardThreshold,
+    NoCompression,
+    RandomK,
+    TopK,
+    get_compressor,
+)
+from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+
+
+def ctx(step: int = 0, rank: int = 0, name: str = "w") -> CompressContext:
+    return CompressContext(name=name, step=step, rank=rank, world_size=2, seed=0)
+
+
+def test_topk_selects_exactly_the_largest_magnitudes() -> None:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    payload = TopK(density=0.01).compress(x, ctx())
+    values, indices = payload.parts
+    expected = set(torch.argsort(x.abs(), descending=True)[:100].tolist())
+    assert payload.count == 100 and set(indices.tolist()) == expected
+    assert torch.equal(values, x[indices.long()])
+    assert indices.dtype == torch.int32 and values.dtype == torch.float32
+
+
+def test_hard_threshold_selects_exactly_elements_at_or_above_lambda() -> None:
+    x = torch.tensor([0.5, -0.2, 0.1, -0.7, 0.3, 0.0])
+    payload = HardThreshold(threshold=0.3).compress(x, ctx())
+    assert sorted(payload.parts[1].tolist()) == [0, 3, 4]
+    assert payload.count == 3
+    assert HardThreshold(threshold=1.0).compress(x, ctx()).count == 0  # zero is a valid count
+    assert HardThreshold().static_count(6) is None
+
+
+def test_randomk_indices_are_unique_shared_and_fresh_each_step() -> None:
+    x = torch.randn(5000)
+    compressor = RandomK(density=0.1)
+    state = torch.random.get_rng_state()
+    a = compressor.compress(x, ctx(step=3, rank=0))
+    b = compressor.compress(x, ctx(step=3, rank=1))
+    c = compressor.compress(x, ctx(step=4, rank=0))
+    assert torch.equal(torch.random.get_rng_state(), state), "Random-k must not touch the global RNG"
+    assert a.meta.unique().numel() == a.meta.numel() == 500
+    assert torch.equal(a.meta, b.meta), "shared indices are identical on every rank"
+    assert not torch.equal(a.meta, c.meta), "indices change from step to step"
+    assert compressor.summable and len(a.parts) == 1
+    own = RandomK(density=0.1, shared_indices=False)
+    d, e = own.compress(x, ctx(step=3, rank=0)), own.compress(x, ctx(step=3, rank=1))
+    assert not own.summable and not torch.equal(d.parts[1], e.parts[1])
+    assert d.parts[1].unique().numel() == 500
+
+
+@pytest.mark.parametrize("compressor", [TopK(0.05), RandomK(0.05), RandomK(0.05, False), HardThreshold(1.0),
+                                        NoCompression(), FP16(), BF16(), QSGD(levels=4, bucket_size=64)])
+def test_payload_parts_match_the_declared_wire_format(compressor) -> None:
+    x = torch.randn(3000)
+    payload = compressor.compress(x, ctx())
+    numels = compressor.payload_numels(x.numel(), payload.count)
+    assert tuple(p.numel() for p in payload.parts) == numels
+    assert tuple(p.dtype for p in payload.parts) == compressor.part_dtypes(x.dtype)
+    static = compressor.static_count(x.numel())
+    assert static is None or static == payload.count
+
+
+def test_decompress_roundtrips() -> None:
+    x = torch.randn(1000)
+    assert torch.equal(NoCompression().decompress(NoCompression().compress(x, ctx())), x)
+    assert torch.equal(FP16().decompress(FP16().compress(x, ctx())), x.half().float())
+    assert torch.equal(BF16().decompress(BF16().compress(x, ctx())), x.bfloat16().float())
+    sparse = TopK(0.1).decompress(TopK(0.1).compress(x, ctx()))
+    assert (sparse != 0).sum() == 100 and torch.equal(sparse[sparse != 0], x[sparse != 0])
+
+
+@pytest.mark.parametrize("levels,bucket_size", [(1, 512), (4, 512), (16, 100), (64, 512), (255, 37)])
+def test_qsgd_is_unbiased_within_statistical_tolerance(levels: int, bucket_size: int) -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 3
+    compressor = QSGD(levels=levels, bucket_size=bucket_size)
+    draws = 2000
+    total = torch.zeros(1000, dtype=torch.float64)
+    for step in range(draws):
+        total += compressor.decompress(compressor.compress(x, ctx(step=step))).double()
+    mean = total / draws
+    # Each element is rounded between two adjacent levels norm/s apart: its variance is <= (norm/s)^2 / 4.
+    norms = torch.stack([chunk.norm() for chunk in x.split(bucket_size)])
+    spacing = torch.repeat_interleave(norms / levels, torch.tensor([len(c) for c in x.split(bucket_size)]))
+    standard_error = spacing.double() / 2 / math.sqrt(draws)
+    assert torch.all((mean - x.double()).abs() <= 5 * standard_error + 1e-6)
+
+
+def test_qsgd_values_lie_on_the_levels_and_keep_sign() -> None:
+    x = torch.randn(512)
+    compressor = QSGD(levels=4, bucket_size=512)
+    out = compressor.decompress(compressor.compress(x, ctx()))
+    levels = out.abs() / x.norm() * 4
+    assert torch.allclose(levels, levels.round(), atol=1e-4)
+    assert torch.all((out == 0) | (out.sign() == x.sign()))
+    assert torch.equal(compressor.decompress(compressor.compress(torch.zeros(512), ctx())), torch.zeros(512))
+
+
+@pytest.mark.parametrize("levels,bits", [(1, 2), (4, 4), (15, 5), (16, 6), (64, 8), (255, 9), (65535, 17)])
+def test_qsgd_packed_size_is_ceil_log2_levels_plus_sign_bits_per_element(levels: int, bits: int) -> None:
+    numel, bucket_size = 10_000, 512
+    compressor = QSGD(levels=levels, bucket_size=bucket_size)
+    assert compressor.bits == math.ceil(math.log2(levels + 1)) + 1 == bits
+    norms, packed = compressor.compress(torch.randn(numel), ctx()).parts
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8) * bits
+    assert norms.dtype == torch.float32 and norms.numel() == math.ceil(numel / bucket_size)
+    expected = math.ceil(numel / 8) * bits + 4 * math.ceil(numel / bucket_size)
+    assert compressor.payload_nbytes(numel, numel) == expected
+    assert 4 * numel / expected == pytest.approx(32 / (bits + 32 / bucket_size), rel=1e-2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 7, 8, 9, 12, 16, 17, 32])
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1001])
+def test_bitpack_roundtrip(bits: int, numel: int) -> None:
+    codes = torch.randint(0, 2**bits, (numel,), dtype=torch.int64)
+    packed = pack(codes, bits)
+    assert packed.numel() == packed_nbytes(numel, bits)
+    assert torch.equal(unpack(packed, bits, numel), codes)
+
+
+def test_names_build_default_instances() -> None:
+    assert isinstance(get_compressor("topk"), TopK)
+    assert isinstance(get_compressor("QSGD"), QSGD)
+    instance = TopK(0.5)
+    assert get_compressor(instance) is instance

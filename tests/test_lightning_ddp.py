@@ -1,0 +1,88 @@
+"""Real 2-process Lightning runs (popen launcher, gloo) on scikit-learn's digits."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+EPOCHS = "10"
+STEPS_PER_EPOCH = 22  # 1348 training images / 2 ranks / batch 32, rounded up
+
+
+def _params_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_none_gives_parameters_identical_to_plain_ddp(lightning_runs) -> None:
+    ddp, _ = lightning_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS, "--test")
+    none, _ = lightning_runs("none", "--compressor", "none", "--epochs", EPOCHS)
+    assert ddp[0]["global_step"] == none[0]["global_step"] == 10 * STEPS_PER_EPOCH
+    assert _params_equal(ddp[0]["params"], none[0]["params"])
+    assert _params_equal(none[0]["params"], none[1]["params"])
+
+
+def test_topk_hook_runs_every_step_and_accuracy_is_within_two_points(lightning_runs) -> None:
+    ddp, _ = lightning_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS, "--test")
+    topk, _ = lightning_runs("topk", "--compressor", "topk", "--density", "0.01", "--epochs", EPOCHS, "--test",
+                             "--csv", str(lightning_runs.root / "csv"))
+    steps = 10 * STEPS_PER_EPOCH
+    for rank in topk:
+        assert rank["global_step"] == rank["hook_step"] == steps
+        assert rank["hook_calls"] >= steps
+        assert len(rank["steps"]) == steps
+        assert all(s["buckets"] >= 1 and s["bytes_sent"] > 0 for s in rank["steps"]), "the hook ran on every step"
+        assert [s["hook_step"] for s in rank["steps"]] == list(range(1, steps + 1))
+    assert _params_equal(topk[0]["params"], topk[1]["params"]), "ranks hold identical parameters"
+    first = topk[0]["steps"][0]
+    assert first["bytes_dense"] / first["bytes_sent"] > 25  # biases go dense, so below 50x
+    assert topk[0]["test_acc"] >= ddp[0]["test_acc"] - 0.02, (topk[0]["test_acc"], ddp[0]["test_acc"])
+
+
+def test_step_figures_reach_the_trainer_logger(lightning_runs) -> None:
+    lightning_runs("topk", "--compressor", "topk", "--density", "0.01", "--epochs", EPOCHS, "--test",
+                   "--csv", str(lightning_runs.root / "csv"))
+    (metrics_file,) = (lightning_runs.root / "csv").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_file.open()))
+    logged = [r for r in rows if r.get("gradcomp/bytes_sent")]
+    assert len(logged) == 10 * STEPS_PER_EPOCH // 5
+    for key in ("gradcomp/bytes_sent", "gradcomp/bytes_dense", "gradcomp/compression_ratio", "gradcomp/density"):
+        assert all(math.isfinite(float(r[key])) for r in logged), key
+    ratio = float(logged[0]["gradcomp/compression_ratio"])
+    assert ratio == pytest.approx(float(logged[0]["gradcomp/bytes_dense"]) / float(logged[0]["gradcomp/bytes_sent"]))
+
+
+def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
+    ckpt = lightning_runs.root / "half.ckpt"
+    whole, _ = lightning_runs("whole", "--compressor", "topk", "--epochs", "4")
+    lightning_runs("half", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt))
+    saved = torch.load(ckpt, weights_only=True)["gradcomp"]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    assert not torch.equal(*(r["memory"]["residuals"]["net.0.weight"] for r in saved["ranks"])), \
+        "each rank's own residuals are saved"
+    resumed, _ = lightning_runs("resumed", "--compressor", "topk", "--epochs", "4", "--resume", str(ckpt))
+    for a, b in zip(whole, resumed):
+        assert a["hook_step"] == b["hook_step"] == 4 * STEPS_PER_EPOCH
+        assert a["residual_norm"] == b["residual_norm"]
+        assert _params_equal(a["params"], b["params"])
+
+
+def test_resume_with_another_world_size_drops_residuals_with_a_warning(lightning_runs) -> None:
+    ckpt = lightning_runs.root / "half.ckpt"
+    lightning_runs("half", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt))
+    single, output = lightning_runs("single", "--compressor", "topk", "--epochs", "3", "--devices", "1",
+                                    "--resume", str(ckpt))
+    assert "holds error-feedback memory of 2 workers, this run has 1; the residuals are dropped" in output
+    assert single[0]["global_step"] > 2 * STEPS_PER_EPOCH
+
+
+def test_gradient_accumulation_compresses_once_per_optimizer_step(lightning_runs) -> None:
+    runs, _ = lightning_runs("accumulate", "--compressor", "topk", "--epochs", "2", "--accumulate", "2")
+    for rank in runs:
+        assert rank["global_step"] == 2 * STEPS_PER_EPOCH // 2
+        assert rank["hook_step"] == rank["global_step"]
+        assert rank["hook_calls"] == rank["global_step"]  # one bucket per step for this small model

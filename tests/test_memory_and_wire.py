@@ -1,0 +1,90 @@
+"""Error feedback (exact invariant, NaN guard, checkpoint round trip) and the byte layout of payloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp import wire
+from lightning_gradcomp.compressors import QSGD, CompressContext, HardThreshold, RandomK, TopK
+from lightning_gradcomp.memory import CompressionMemory
+
+
+@pytest.mark.parametrize("compressor", [TopK(0.05), RandomK(0.05), RandomK(0.05, False), HardThreshold(0.8)])
+def test_error_feedback_invariant_is_exact_for_sparsifiers(compressor) -> None:
+    memory = CompressionMemory()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        grad = torch.randn(2000, generator=generator)
+        corrected = memory.compensate("w", grad)
+        expected_p = grad + memory.residuals["w"] if "w" in memory.residuals else grad
+        assert torch.equal(corrected, expected_p)
+        payload = compressor.compress(corrected, CompressContext("w", step=step))
+        sent = compressor.decompress(payload)
+        p = corrected.clone()
+        residual = memory.update("w", corrected, payload, compressor)
+        assert torch.equal(sent + residual, p), "C(p) + e_{t+1} == p must hold bit for bit"
+        assert torch.all(residual[sent != 0] == 0)
+
+
+def test_error_feedback_invariant_for_a_quantiser_up_to_rounding() -> None:
+    memory, compressor = CompressionMemory(), QSGD(levels=4)
+    for step in range(3):
+        corrected = memory.compensate("w", torch.randn(1000))
+        p = corrected.clone()
+        payload = compressor.compress(corrected, CompressContext("w", step=step))
+        residual = memory.update("w", corrected, payload, compressor)
+        torch.testing.assert_close(compressor.decompress(payload) + residual, p)
+
+
+def test_non_finite_gradients_do_not_poison_the_residual() -> None:
+    memory, compressor = CompressionMemory(), TopK(0.1)
+    grad = torch.randn(100)
+    memory.update("w", memory.compensate("w", grad), compressor.compress(grad, CompressContext("w")), compressor)
+    before = memory.residuals["w"].clone()
+    bad = torch.randn(100)
+    bad[3], bad[50] = float("nan"), float("inf")
+    corrected = memory.compensate("w", bad)
+    memory.update("w", corrected, compressor.compress(corrected, CompressContext("w", step=1)), compressor)
+    after = memory.residuals["w"]
+    assert torch.isfinite(after).all()
+    assert after[3] == before[3] and after[50] == before[50]
+    fresh = CompressionMemory()
+    fresh.update("v", bad.clone(), compressor.compress(bad, CompressContext("v")), compressor)
+    assert torch.isfinite(fresh.residuals["v"]).all()
+
+
+def test_memory_state_dict_roundtrip() -> None:
+    memory = CompressionMemory()
+    memory.residuals["a"] = torch.randn(4)
+    memory.state("b")["momentum"] = torch.randn(3)
+    restored = CompressionMemory()
+    restored.load_state_dict(memory.state_dict(), torch.device("cpu"))
+    assert torch.equal(restored.residuals["a"], memory.residuals["a"])
+    assert torch.equal(restored.states["b"]["momentum"], memory.states["b"]["momentum"])
+
+
+def test_wire_layout_aligns_parts_and_roundtrips_mixed_dtypes() -> None:
+    compressor = TopK(0.01)
+    shapes = [(1000, 10), (333, 3), (5000, 50)]
+    slots, total = wire.layout(compressor, shapes, torch.float64)
+    assert total % wire.ALIGNMENT == 0
+    for payload_slots in slots:
+        for slot in payload_slots:
+            assert slot.offset % torch.empty((), dtype=slot.dtype).element_size() == 0
+    parts = [(torch.randn(count, dtype=torch.float64), torch.randint(0, numel, (count,), dtype=torch.int32))
+             for numel, count in shapes]
+    buffer = wire.serialize(parts, slots, total, torch.device("cpu"))
+    assert buffer.dtype == torch.uint8 and buffer.numel() == total
+    assert total - sum(p.numel() * p.element_size() for pp in parts for p in pp) < 8 * len(shapes)
+    for original, decoded in zip(parts, wire.deserialize(buffer, slots)):
+        assert all(torch.equal(a, b) for a, b in zip(original, decoded))
+
+
+def test_wire_layout_with_qsgd_bytes_and_float_norms() -> None:
+    compressor = QSGD(levels=16, bucket_size=512)
+    x = torch.randn(777)
+    payload = compressor.compress(x, CompressContext("w"))
+    slots, total = wire.layout(compressor, [(777, 777)], torch.float32)
+    decoded = wire.deserialize(wire.serialize([payload.parts], slots, total, torch.device("cpu")), slots)[0]
+    assert all(torch.equal(a, b) for a, b in zip(payload.parts, decoded))
