@@ -23,9 +23,9 @@ from lightning_gradcomp.stats import StepStats
 
 CHECKPOINT_KEY = "gradcomp"
 _CHECKPOINT_VERSION = 1
-_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self", "module", "device_ids", "output_device", "process_group",
-}
+_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+#: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
+_STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -87,6 +87,9 @@ class GradCompStrategy(DDPStrategy):
                 f"GradCompStrategy: unknown DistributedDataParallel argument(s) {unknown}; "
                 f"allowed: {', '.join(sorted(_DDP_KWARGS))}"
             )
+        for name in _STRATEGY_OWNED_DDP_KWARGS:
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(f"`{name}` is set by the strategy from the Trainer's devices; allowed: None")
         bucket_cap_mb = kwargs.get("bucket_cap_mb")
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
             raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {bucket_cap_mb!r}")

@@ -1,0 +1,3 @@
+from lightning_gradcomp.cli import main
+
+main()
