@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.compressors import (
     BF16,
+    DGC,
     FP16,
     QSGD,
     Compressor,
@@ -26,6 +27,7 @@ GradCompStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BF16",
+    "DGC",
     "FP16",
     "QSGD",
     "Compressor",

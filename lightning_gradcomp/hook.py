@@ -69,7 +69,13 @@ class GradCompHookState:
     ) -> None:
         self.compressor = compressor
         self.param_names = param_names
-        self.error_feedback = compressor.biased if error_feedback is None else error_feedback
+        if error_feedback and compressor.owns_residual:
+            raise ValueError(
+                f"`error_feedback` must be None or False with {type(compressor).__name__}, which keeps its own "
+                "residual"
+            )
+        default = compressor.biased and not compressor.owns_residual
+        self.error_feedback = default if error_feedback is None else error_feedback
         self.min_compress_numel = min_compress_numel
         self.seed = seed
         self.transport = Transport(group)
@@ -110,7 +116,7 @@ class GradCompHookState:
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             view = grad.view(-1)
             if view.numel() < self.min_compress_numel:
-                dense.append((view, *reduce_slot(view)))
+                dense.append((view, *reduce_slot(self.compressor.dense(view, self._context(param, world_size)))))
                 elements_sent += view.numel()
                 continue
             item = self._compress(param, view, world_size)
@@ -166,16 +172,19 @@ class GradCompHookState:
             return result
         return torch.futures.collect_all(futures).then(finish)
 
-    def _compress(self, param: Tensor, view: Tensor, world_size: int) -> _Compressed:
+    def _context(self, param: Tensor, world_size: int) -> CompressContext:
         name = self.param_names.get(id(param))
         if name is None:
             raise RuntimeError("gradcomp hook: a bucket holds a parameter the strategy did not name")
+        return CompressContext(name, self.step, self.transport.rank, world_size, self.seed, self.memory.state(name))
+
+    def _compress(self, param: Tensor, view: Tensor, world_size: int) -> _Compressed:
+        ctx = self._context(param, world_size)
         if view.numel() > MAX_NUMEL:
-            raise RuntimeError(f"gradcomp hook: parameter {name!r} has more than 2**31 - 1 elements")
-        corrected = self.memory.compensate(name, view) if self.error_feedback else None
-        ctx = CompressContext(name, self.step, self.transport.rank, world_size, self.seed, self.memory.state(name))
+            raise RuntimeError(f"gradcomp hook: parameter {ctx.name!r} has more than 2**31 - 1 elements")
+        corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
         payload = self.compressor.compress(view if corrected is None else corrected, ctx)
-        return _Compressed(view, payload, corrected, name)
+        return _Compressed(view, payload, corrected, ctx.name)
 
     def _issue_gather(
         self, gathered: list[_Compressed], dtype: torch.dtype, device: torch.device

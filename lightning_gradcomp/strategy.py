@@ -100,6 +100,11 @@ class GradCompStrategy(DDPStrategy):
                 f"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver', got {start_method!r}"
             )
         self.compressor = get_compressor(compressor)
+        if error_feedback and self.compressor.owns_residual:
+            raise ValueError(
+                f"`error_feedback` must be None or False with {type(self.compressor).__name__}, which keeps its own "
+                "residual (allowed: None, False)"
+            )
         self.error_feedback = error_feedback
         self.min_compress_numel = check_int(min_compress_numel, "min_compress_numel", 0)
         self.seed = check_int(seed, "seed", 0)
@@ -138,6 +143,11 @@ class GradCompStrategy(DDPStrategy):
             )
 
     # ------------------------------------------------------------------ hook installation
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        for optimizer in self.optimizers:
+            self.compressor.check_optimizer(optimizer)
+
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks only on CUDA; gloo on CPU supports them just as well.
         assert isinstance(self.model, DistributedDataParallel)

@@ -7,6 +7,7 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     get_compressor,
 )
+from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import BF16, FP16, NoCompression
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.sparse import HardThreshold, RandomK, TopK
@@ -16,6 +17,7 @@ __all__ = [
     "COMPRESSORS",
     "CompressContext",
     "Compressor",
+    "DGC",
     "FP16",
     "HardThreshold",
     "NoCompression",

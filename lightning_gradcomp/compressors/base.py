@@ -87,6 +87,8 @@ class Compressor(ABC):
     name: ClassVar[str] = ""
     #: Biased compressors get error feedback by default (DESIGN §2).
     biased: ClassVar[bool] = True
+    #: The compressor keeps its own residual (DGC's velocity): the generic error feedback stays off.
+    owns_residual: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -110,6 +112,16 @@ class Compressor(ABC):
         """The coordinate count of every payload for a tensor of ``numel`` elements, or ``None`` when it
         depends on the data (then the transport exchanges counts before gathering)."""
         return numel
+
+    def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """The tensor to all-reduce for a parameter sent dense (below the strategy's size threshold).
+
+        Identity by default; DGC applies its momentum here. Must not modify ``tensor``.
+        """
+        return tensor
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training)."""
 
     @abstractmethod
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:

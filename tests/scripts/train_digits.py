@@ -8,6 +8,7 @@ Lightning's ``popen`` launcher starts the other ranks by re-running this script.
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
 
 import lightning as L
@@ -16,7 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
-from lightning_gradcomp import GradCompStrategy, get_compressor
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import DGCWarmup
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
 
@@ -32,6 +34,9 @@ class RecordSteps(Callback):
         if isinstance(strategy, GradCompStrategy):
             stats = strategy.step_stats
             self.steps.append({"global_step": trainer.global_step, "buckets": stats.buckets,
+                               "epoch": trainer.current_epoch,
+                               "compressor_density": getattr(strategy.compressor, "density", None),
+                               "lr": trainer.optimizers[0].param_groups[0]["lr"],
                                "bytes_sent": stats.bytes_sent, "bytes_dense": stats.bytes_dense,
                                "density": stats.density, "hook_step": strategy.hook_state.step})
 
@@ -42,6 +47,9 @@ def main() -> None:
     parser.add_argument("--strategy", default="gradcomp", choices=["gradcomp", "ddp"])
     parser.add_argument("--compressor", default="topk", choices=sorted(COMPRESSORS))
     parser.add_argument("--density", type=float, default=None)
+    parser.add_argument("--compressor-kwargs", type=json.loads, default={}, help="JSON constructor arguments")
+    parser.add_argument("--warmup-epochs", type=int, default=None, help="add DGCWarmup(epochs=N)")
+    parser.add_argument("--lr-warmup", action="store_true", help="with --warmup-epochs: warm the LR up too")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
@@ -57,14 +65,17 @@ def main() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
     L.seed_everything(args.seed, verbose=False)
-    compressor = get_compressor(args.compressor)
+    compressor = COMPRESSORS[args.compressor](**args.compressor_kwargs)
     if args.density is not None:
         compressor.density = args.density
     strategy = GradCompStrategy(compressor=compressor) if args.strategy == "gradcomp" else "ddp"
     recorder = RecordSteps()
+    callbacks = [recorder]
+    if args.warmup_epochs:
+        callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
-        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=[recorder],
+        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
         logger=CSVLogger(args.csv, name="run") if args.csv else False, log_every_n_steps=5,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,

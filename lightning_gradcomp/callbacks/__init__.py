@@ -1,0 +1,5 @@
+"""Lightning callbacks that drive and observe compression."""
+
+from lightning_gradcomp.callbacks.warmup import DGCWarmup
+
+__all__ = ["DGCWarmup"]

@@ -1,0 +1,170 @@
+"""Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, sparse_count
+from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
+from lightning_gradcomp.compressors.sparse import _ValuesAndIndices
+
+MOMENTUM = "momentum"
+VELOCITY = "velocity"
+
+
+def keep_finite(new: Tensor, previous: Optional[Tensor]) -> Tensor:
+    """``new`` where finite, else ``previous`` (or 0): state never turns NaN/Inf because of one bad step."""
+    fallback = previous if previous is not None and previous.shape == new.shape else 0.0
+    return torch.where(torch.isfinite(new), new, fallback)
+
+
+class DGC(_ValuesAndIndices):
+    r"""Deep Gradient Compression: sparse exchange with momentum correction, momentum-factor masking,
+    local gradient clipping and sampled threshold selection (000 §3.1.2; 001).
+
+    Per worker and parameter, with momentum ``m`` (Nesterov variant in brackets)::
+
+        g  <- g * min(1, c / ||g||),  c = clip_norm * N^(-1/2)        (local gradient clipping)
+        u  <- m * u + g                                               (momentum correction)
+        v  <- v + u                  [v <- v + g + m * u]             (accumulation)
+        send sparse(v): the k = density * d largest |v_i|
+        u_i, v_i <- 0 where v_i was sent                              (momentum-factor masking)
+
+    The optimizer then applies the averaged update with *no momentum of its own* (plain SGD, momentum
+    0): the strategy refuses an optimizer with momentum when ``momentum > 0``. Weight decay stays in the
+    optimizer and acts on the averaged update.
+
+    ``v`` is DGC's own error feedback, so the hook's generic residual memory is off. At density 1
+    nothing is delayed, so nothing is masked: DGC then equals momentum SGD (as in the reference code),
+    and tensors the strategy sends dense (``min_compress_numel``) also receive the momentum.
+
+    Selection: ``"sampled"`` (default) estimates the threshold from ~1% of the elements and refines
+    the candidates to exactly ``k`` (see :mod:`~lightning_gradcomp.compressors.selection`); ``"exact"``
+    uses ``torch.topk``. Every payload holds exactly ``k`` entries, so no size exchange is needed.
+
+    Args:
+        density: fraction of elements sent, in (0, 1]; :class:`~lightning_gradcomp.callbacks.DGCWarmup`
+            moves it during warm-up.
+        momentum: ``m`` in [0, 1).
+        clip_norm: local gradient clipping threshold (per tensor), or None for no clipping.
+        scale_clip_by_workers: scale ``clip_norm`` by ``N^(-1/2)`` as in the paper.
+        nesterov: Nesterov momentum.
+        selection: ``"sampled"`` or ``"exact"``.
+        sample_fraction: share of elements sampled to estimate the threshold.
+    """
+
+    name = "dgc"
+    owns_residual = True  # the velocity v
+
+    def __init__(
+        self,
+        density: float = 0.001,
+        momentum: float = 0.9,
+        clip_norm: Optional[float] = None,
+        scale_clip_by_workers: bool = True,
+        nesterov: bool = False,
+        selection: Literal["sampled", "exact"] = "sampled",
+        sample_fraction: float = 0.01,
+    ) -> None:
+        self.density = density
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                                      or not clip_norm > 0 or math.isinf(clip_norm)):
+            raise ValueError(f"`clip_norm` must be None or a finite number > 0, got {clip_norm!r}")
+        if selection not in ("sampled", "exact"):
+            raise ValueError(f"`selection` must be 'sampled' or 'exact', got {selection!r}")
+        self.momentum = float(momentum)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.scale_clip_by_workers = bool(scale_clip_by_workers)
+        self.nesterov = bool(nesterov)
+        self.selection = selection
+        self.sample_fraction = check_density(sample_fraction, "sample_fraction")
+
+    @property
+    def density(self) -> float:
+        """Fraction of coordinates sent, in (0, 1]; a schedule may change it between steps."""
+        return self._density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self._density = check_density(value)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"density": self.density, "momentum": self.momentum, "clip_norm": self.clip_norm,
+                "scale_clip_by_workers": self.scale_clip_by_workers, "nesterov": self.nesterov,
+                "selection": self.selection, "sample_fraction": self.sample_fraction}
+
+    def static_count(self, numel: int) -> Optional[int]:
+        return sparse_count(self.density, numel)
+
+    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
+        return (count, 0) if count == numel else (count, count)
+
+    def check_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuse an optimizer that applies momentum on top of DGC's."""
+        if self.momentum == 0:
+            return
+        for index, group in enumerate(optimizer.param_groups):
+            if group.get("momentum", 0):
+                raise ValueError(
+                    f"DGC(momentum={self.momentum}) holds the momentum, but {type(optimizer).__name__} applies "
+                    f"momentum={group['momentum']} too (param group {index}). Set the optimizer's momentum to 0 "
+                    f"(plain SGD), or DGC(momentum=0) to keep the optimizer's."
+                )
+
+    # ------------------------------------------------------------------ the algorithm
+    def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+        """Clip, then ``u <- m u + g``; returns ``(u, the increment of v)``."""
+        grad = grad.float() if grad.dtype != torch.float32 and grad.dtype != torch.float64 else grad
+        if self.clip_norm is not None:
+            limit = self.clip_norm * (ctx.world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
+            norm = torch.linalg.vector_norm(grad)
+            grad = grad * torch.clamp(limit / (norm + 1e-12), max=1.0)
+        previous = ctx.state.get(MOMENTUM)
+        momentum = grad.clone() if previous is None else previous * self.momentum + grad
+        ctx.state[MOMENTUM] = keep_finite(momentum, previous)
+        increment = grad + self.momentum * momentum if self.nesterov else momentum
+        return momentum, increment
+
+    def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """Tensors sent dense still receive momentum: momentum SGD, nothing delayed."""
+        return self._momentum_update(tensor, ctx)[1].to(tensor.dtype)
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        numel = tensor.numel()
+        k = sparse_count(self.density, numel)
+        _, increment = self._momentum_update(tensor, ctx)
+        if k == numel:  # density 1: momentum SGD, no accumulation, no masking
+            return Payload((increment.to(tensor.dtype), increment.new_empty(0, dtype=torch.int32)), numel, numel)
+        previous_velocity = ctx.state.get(VELOCITY)
+        velocity = increment if previous_velocity is None else previous_velocity + increment
+        magnitude = velocity.abs()
+        if self.selection == "exact":
+            indices = exact_topk(magnitude, k)
+        else:
+            generator = ctx.generator(tensor.device, per_rank=True)
+            indices = sampled_topk(magnitude, k, generator, sample_fraction=self.sample_fraction).indices
+        selected = indices
+        values = velocity[indices]
+        if indices.numel() < k:  # rare: pad with zero values at a sent index, harmless on every rank
+            missing = k - indices.numel()
+            pad_index = indices[:1] if indices.numel() else indices.new_zeros(1)
+            indices = torch.cat([indices, pad_index.expand(missing)])
+            values = torch.cat([values, values.new_zeros(missing)])
+        payload = Payload((values.to(tensor.dtype), indices.to(torch.int32)), numel, k)
+        ctx.state[VELOCITY] = keep_finite(velocity.index_fill(0, selected, 0.0), previous_velocity)
+        ctx.state[MOMENTUM] = ctx.state[MOMENTUM].index_fill(0, selected, 0.0)
+        return payload
+
+    def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
+        values, indices = payload.parts
+        if indices.numel() == 0 and values.numel() == payload.numel:
+            out.add_(values.to(out.dtype), alpha=alpha)
+        else:
+            out.index_add_(0, indices, values.to(out.dtype), alpha=alpha)
