@@ -66,10 +66,11 @@ def sampled_topk(
     if samples >= numel // 2 or k >= numel // 4:
         return Selection(exact_topk(magnitude, k), numel)
     positions = torch.randint(0, numel, (samples,), generator=generator, device=magnitude.device)
-    ranked = torch.sort(magnitude[positions], descending=True).values
     hits = max(1, math.ceil(samples * density * oversample))
+    deepest = min(samples, math.ceil(hits * oversample**max_tries))
+    ranked = torch.topk(magnitude[positions], deepest, sorted=True).values  # the sample's largest, descending
     for _ in range(max_tries + 1):
-        if hits > samples:
+        if hits > deepest:
             return Selection(exact_topk(magnitude, k), numel)
         candidates = torch.nonzero(magnitude >= ranked[hits - 1]).view(-1)
         if candidates.numel() >= k:
