@@ -10,6 +10,7 @@ The result is the average over workers, exactly as DDP's own all-reduce computes
 """
 
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
 from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.telemetry import Stopwatch, StepRecorder, squared_norm
 from lightning_gradcomp.transport import Transport
 
 MAX_NUMEL = 2**31 - 1
@@ -52,10 +54,17 @@ class GradCompHookState:
     Args:
         compressor: the compressor applied to every parameter of at least ``min_compress_numel`` elements.
         param_names: ``id(parameter) -> name``; names key the memory, so it survives bucket rebuilds.
-        error_feedback: whether residuals are kept; ``None`` means the compressor's default (on when biased).
+        error_feedback: whether residuals are kept; ``None`` means the compressor's default (on when
+            biased, unless the compressor keeps its own residual like DGC).
         min_compress_numel: smaller tensors are sent dense.
         seed: base seed of the compressors' generators, identical on all ranks.
         group: process group (default: the world).
+
+    Attributes:
+        telemetry: measure compression error and time (set by
+            :class:`~lightning_gradcomp.callbacks.CompressionMonitor`); off, the hook does no extra work.
+        record_layers: also keep per-parameter figures for the current step.
+        totals: running totals of every step's figures; part of the checkpoint.
     """
 
     def __init__(
@@ -67,14 +76,14 @@ class GradCompHookState:
         seed: int = 0,
         group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        self.compressor = compressor
-        self.param_names = param_names
         if error_feedback and compressor.owns_residual:
             raise ValueError(
                 f"`error_feedback` must be None or False with {type(compressor).__name__}, which keeps its own "
                 "residual"
             )
         default = compressor.biased and not compressor.owns_residual
+        self.compressor = compressor
+        self.param_names = param_names
         self.error_feedback = default if error_feedback is None else error_feedback
         self.min_compress_numel = min_compress_numel
         self.seed = seed
@@ -82,22 +91,36 @@ class GradCompHookState:
         self.memory = CompressionMemory()
         self.step = 0
         self.hook_calls = 0
+        self.telemetry = False
+        self.record_layers = False
+        self.totals = StepStats()
         self._stats = StepStats()
+        self._recorder = StepRecorder()
+        self._compress_clock = Stopwatch()
+        self._decompress_clock = Stopwatch()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ bookkeeping
     def take_step_stats(self) -> StepStats:
-        """The figures accumulated since the last call, and reset."""
+        """The figures accumulated since the last call (one optimizer step), added to :attr:`totals`."""
         with self._lock:
             stats, self._stats = self._stats, StepStats()
+        stats.collectives = self.transport.take_log()
+        if self.telemetry:
+            self._recorder.resolve(stats, per_layer=self.record_layers)
+            stats.compress_s = self._compress_clock.take()
+            stats.decompress_s = self._decompress_clock.take()
+        stats.steps = 1 if stats.buckets else 0
+        self.totals.add(stats)
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "memory": self.memory.state_dict()}
+        return {"step": self.step, "memory": self.memory.state_dict(), "totals": self.totals.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"], device)
+        self.totals = StepStats.from_state_dict(state.get("totals", {}))
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, bucket: dist.GradBucket) -> Future:
@@ -113,33 +136,37 @@ class GradCompHookState:
         def reduce_slot(tensor: Tensor) -> tuple[torch.dtype, int]:
             return tensor.dtype, reduce_groups.setdefault(tensor.dtype, _ReduceGroup()).add(tensor)
 
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            view = grad.view(-1)
-            if view.numel() < self.min_compress_numel:
-                dense.append((view, *reduce_slot(self.compressor.dense(view, self._context(param, world_size)))))
-                elements_sent += view.numel()
-                continue
-            item = self._compress(param, view, world_size)
-            elements_sent += item.payload.count
-            if self.compressor.summable:
-                summed.append((item, [reduce_slot(part) for part in item.payload.parts]))
-            else:
-                gathered.append(item)
+        with self._compress_clock.measure(buffer.device) if self.telemetry else nullcontext():
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                view = grad.view(-1)
+                if view.numel() < self.min_compress_numel:
+                    ctx = self._context(param, world_size)
+                    sent = self.compressor.dense(view, ctx)
+                    dense.append((view, *reduce_slot(sent)))
+                    elements_sent += view.numel()
+                    if self.telemetry:
+                        zero = torch.zeros((), dtype=torch.float64, device=view.device)
+                        self._recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel())
+                    continue
+                item = self._compress(param, view, world_size)
+                elements_sent += item.payload.count
+                if self.compressor.summable:
+                    summed.append((item, [reduce_slot(part) for part in item.payload.parts]))
+                else:
+                    gathered.append(item)
 
-        futures: list[Future] = []
-        flat_sums: dict[torch.dtype, Tensor] = {}
-        for dtype, group in reduce_groups.items():
-            flat = torch.cat(group.tensors).div_(world_size)
-            flat_sums[dtype] = flat
-            futures.append(self.transport.all_reduce_sum(flat))
-        gather_future, gather_shapes = self._issue_gather(gathered, buffer.dtype, buffer.device)
-        if gather_future is not None:
-            futures.append(gather_future)
+            futures: list[Future] = []
+            flat_sums: dict[torch.dtype, Tensor] = {}
+            for dtype, group in reduce_groups.items():
+                flat = torch.cat(group.tensors).div_(world_size)
+                flat_sums[dtype] = flat
+                futures.append(self.transport.all_reduce_sum(flat))
+            gather_future, gather_shapes = self._issue_gather(gathered, buffer.dtype, buffer.device)
+            if gather_future is not None:
+                futures.append(gather_future)
 
-        for item in (*[s[0] for s in summed], *gathered):
-            if item.corrected is not None:
-                self.memory.update(item.name, item.corrected, item.payload, self.compressor)
-                item.corrected = None
+            for item in (*[s[0] for s in summed], *gathered):
+                self._remember(item)
 
         with self._lock:
             self._stats.bytes_sent += self.transport.bytes_sent - bytes_before
@@ -152,18 +179,19 @@ class GradCompHookState:
             self.step += 1
 
         def finish(_: Future) -> Tensor:
-            sums = {dtype: flat.split([t.numel() for t in reduce_groups[dtype].tensors])
-                    for dtype, flat in flat_sums.items()}
-            for view, dtype, index in dense:
-                view.copy_(sums[dtype][index])
-            for item, slots in summed:
-                parts = tuple(sums[dtype][index] for dtype, index in slots)
-                item.view.zero_()
-                self.compressor.accumulate(
-                    Payload(parts, item.payload.numel, item.payload.count, item.payload.meta), item.view
-                )
-            if gather_future is not None:
-                self._decode_gathered(gather_future.value(), gathered, gather_shapes, buffer.dtype, world_size)
+            with self._decompress_clock.measure(buffer.device) if self.telemetry else nullcontext():
+                sums = {dtype: flat.split([t.numel() for t in reduce_groups[dtype].tensors])
+                        for dtype, flat in flat_sums.items()}
+                for view, dtype, index in dense:
+                    view.copy_(sums[dtype][index])
+                for item, slots in summed:
+                    parts = tuple(sums[dtype][index] for dtype, index in slots)
+                    item.view.zero_()
+                    self.compressor.accumulate(
+                        Payload(parts, item.payload.numel, item.payload.count, item.payload.meta), item.view
+                    )
+                if gather_future is not None:
+                    self._decode_gathered(gather_future.value(), gathered, gather_shapes, buffer.dtype, world_size)
             return buffer
 
         if not futures:
@@ -183,8 +211,23 @@ class GradCompHookState:
         if view.numel() > MAX_NUMEL:
             raise RuntimeError(f"gradcomp hook: parameter {ctx.name!r} has more than 2**31 - 1 elements")
         corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
-        payload = self.compressor.compress(view if corrected is None else corrected, ctx)
-        return _Compressed(view, payload, corrected, ctx.name)
+        tensor = view if corrected is None else corrected
+        payload = self.compressor.compress(tensor, ctx)
+        item = _Compressed(view, payload, corrected, ctx.name)
+        if self.telemetry and corrected is None:
+            error_sq, input_sq = self.compressor.compression_error(tensor, payload, ctx)
+            self._recorder.add(ctx.name, error_sq, input_sq, payload.count, payload.numel)
+        return item
+
+    def _remember(self, item: _Compressed) -> None:
+        """Error feedback, once the payload is on its way: ``e_{t+1} = p_t − C(p_t)``."""
+        if item.corrected is None:
+            return
+        input_sq = squared_norm(item.corrected) if self.telemetry else None
+        residual = self.memory.update(item.name, item.corrected, item.payload, self.compressor)
+        if input_sq is not None:
+            self._recorder.add(item.name, squared_norm(residual), input_sq, item.payload.count, item.payload.numel)
+        item.corrected = None
 
     def _issue_gather(
         self, gathered: list[_Compressed], dtype: torch.dtype, device: torch.device

@@ -225,11 +225,19 @@ class GradCompStrategy(DDPStrategy):
                 f"gradcomp: the checkpoint holds error-feedback memory of {saved.get('world_size')} workers, this "
                 f"run has {self.world_size}; the residuals are dropped and start from zero."
             )
+            self.hook_state.totals = _mean_totals(saved["ranks"])
             return
         if saved.get("compressor") != type(self.compressor).__name__:
             rank_zero_warn(
                 f"gradcomp: the checkpoint's memory belongs to {saved.get('compressor')}, this run uses "
                 f"{type(self.compressor).__name__}; the residuals are dropped and start from zero."
             )
+            self.hook_state.totals = _mean_totals(saved["ranks"])
             return
         self.hook_state.load_state_dict(saved["ranks"][self.global_rank], self.root_device)
+
+
+def _mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
+    """The running totals averaged over the saved ranks (kept when the residuals cannot be)."""
+    totals = [StepStats.from_state_dict(rank.get("totals", {})) for rank in ranks]
+    return StepStats.from_list([sum(values) / len(totals) for values in zip(*(t.as_list() for t in totals))])

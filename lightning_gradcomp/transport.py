@@ -33,6 +33,7 @@ class Transport:
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
         self.bytes_sent = 0
+        self._log: list[tuple[str, int]] = []
 
     @property
     def world_size(self) -> int:
@@ -42,18 +43,25 @@ class Transport:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def _count(self, tensor: Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
+    def _count(self, kind: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
+        self._log.append((kind, nbytes))
+
+    def take_log(self) -> list[tuple[str, int]]:
+        """``(kind, input bytes)`` of every collective issued since the last call."""
+        log, self._log = self._log, []
+        return log
 
     def all_reduce_sum(self, tensor: Tensor) -> Future:
         """Sum ``tensor`` over ranks, in place; the future's value is the tensor."""
-        self._count(tensor)
+        self._count("all_reduce", tensor)
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return work.get_future().then(lambda _: tensor)
 
     def all_gather(self, tensor: Tensor) -> Future:
         """Gather equal-sized 1-D tensors; the future's value has shape ``(world_size, numel)``."""
-        self._count(tensor)
+        self._count("all_gather", tensor)
         output = tensor.new_empty(self.world_size * tensor.numel())
         work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
         return work.get_future().then(lambda _: output.view(self.world_size, -1))

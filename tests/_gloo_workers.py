@@ -156,3 +156,43 @@ def check_multibucket_ddp_stays_in_sync(rank: int, world_size: int) -> None:
     dist.all_gather(gathered, flat)
     assert all(torch.equal(gathered[0], g) for g in gathered)
     assert state.memory.residuals, "error feedback kept residuals"
+
+
+def check_telemetry_totals(rank: int, world_size: int) -> None:
+    """``totals.error_sq`` equals the sum over steps of ``‖e_{t+1}‖²`` read from the memory itself (error
+    feedback), of ``‖p − D(C(p))‖²`` recomputed (no error feedback), or of ``‖v_{t+1}‖²`` (DGC); bytes and
+    density totals equal the transport's counts."""
+    from lightning_gradcomp.compressors import DGC
+    from lightning_gradcomp.compressors.dgc import VELOCITY
+
+    shapes = [(64, 100), (50,)]
+    params = [torch.empty(s) for s in shapes]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    for compressor in (TopK(0.05), QSGD(levels=4), DGC(density=0.05, momentum=0.9)):
+        state = GradCompHookState(compressor, names, min_compress_numel=100)
+        state.telemetry = True
+        expected_error, expected_sent, expected_total = 0.0, 0, 0
+        for step in range(4):
+            grads = _local_grads(rank, shapes, step=step)
+            if isinstance(compressor, QSGD):  # recompute the compression error independently
+                ctx = CompressContext("p0", step, rank, world_size, 0)
+                x = grads[0].reshape(-1)
+                expected_error += float((x - compressor.decompress(compressor.compress(x, ctx))).double().pow(2).sum())
+            _exchange(state, params, grads)
+            stats = state.take_step_stats()
+            if isinstance(compressor, TopK):
+                expected_error += float(state.memory.residuals["p0"].double().pow(2).sum())
+            elif isinstance(compressor, DGC):
+                expected_error += float(state.memory.states["p0"][VELOCITY].double().pow(2).sum())
+            expected_sent += round(0.05 * 6400) + 50 if not isinstance(compressor, QSGD) else 6450
+            expected_total += 6450
+            assert stats.compress_s > 0 and stats.decompress_s > 0
+            assert stats.grad_sq > 0 and stats.error_sq > 0
+            if not isinstance(compressor, QSGD):  # a sparsifier's error is part of its input
+                assert stats.error_sq < stats.grad_sq
+        totals = state.totals
+        assert totals.steps == 4
+        assert abs(totals.error_sq - expected_error) <= 1e-6 * expected_error, (compressor, totals.error_sq, expected_error)
+        assert totals.bytes_sent == state.transport.bytes_sent
+        assert (totals.elements_sent, totals.elements_total) == (expected_sent, expected_total)
+        assert totals.density == expected_sent / expected_total

@@ -68,6 +68,7 @@ def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
     for a, b in zip(whole, resumed):
         assert a["hook_step"] == b["hook_step"] == 4 * STEPS_PER_EPOCH
         assert a["residual_norm"] == b["residual_norm"]
+        assert a["totals"] == b["totals"], "running totals (bytes, density, error) survive the resume"
         assert _params_equal(a["params"], b["params"])
 
 

@@ -1,5 +1,6 @@
 """Lightning callbacks that drive and observe compression."""
 
+from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.callbacks.warmup import DGCWarmup
 
-__all__ = ["DGCWarmup"]
+__all__ = ["CompressionMonitor", "DGCWarmup"]

@@ -123,6 +123,13 @@ class Compressor(ABC):
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training)."""
 
+    def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+        """``(‖p − C(p)‖², ‖p‖²)`` for the tensor just compressed (telemetry of compressors without the
+        generic error feedback; under error feedback the hook measures the residual itself)."""
+        error = tensor.clone()
+        self.accumulate(payload, error, alpha=-1.0)
+        return _squared_norm(error), _squared_norm(tensor)
+
     @abstractmethod
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         """Compress a flat tensor. Must not modify ``tensor``."""
@@ -153,6 +160,10 @@ class Compressor(ABC):
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments, for logs and ``repr``."""
         return {}
+
+
+def _squared_norm(tensor: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(tensor).double() ** 2
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -162,6 +162,16 @@ class DGC(_ValuesAndIndices):
         ctx.state[MOMENTUM] = ctx.state[MOMENTUM].index_fill(0, selected, 0.0)
         return payload
 
+    def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+        """``(‖v_{t+1}‖², ‖v_t‖²)``: the velocity carried forward is DGC's compression error, and the
+        velocity before masking is what was compressed (``‖v_t‖² = ‖v_{t+1}‖² + ‖sent‖²``)."""
+        sent = torch.linalg.vector_norm(payload.parts[0]).double() ** 2
+        velocity = ctx.state.get(VELOCITY)
+        if velocity is None or payload.parts[1].numel() == 0:  # density 1: nothing delayed
+            return torch.zeros((), dtype=torch.float64, device=sent.device), sent
+        error = torch.linalg.vector_norm(velocity).double() ** 2
+        return error, error + sent
+
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         values, indices = payload.parts
         if indices.numel() == 0 and values.numel() == payload.numel:

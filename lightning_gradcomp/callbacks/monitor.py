@@ -1,0 +1,157 @@
+"""CompressionMonitor: total compression error, bytes, density, time and estimated communication time."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_gradcomp.callbacks._access import strategy_compressor
+from lightning_gradcomp.compressors.base import check_int
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.stats import NUMERIC_FIELDS, StepStats
+
+PREFIX = "gradcomp/"
+
+
+class CompressionMonitor(Callback):
+    r"""Logs what compression does to a run, averaged over workers, through the Trainer's loggers.
+
+    Every ``log_every_n_steps`` optimizer steps (default: the Trainer's):
+
+    * ``gradcomp/total_error``: :math:`\sum_t \|e_{t+1}\|^2` since the start of training, where
+      :math:`e_{t+1} = p_t - C(p_t)` is the error carried forward under error feedback (for DGC, its
+      velocity). For compressors without error feedback the same quantity is computed from each step's
+      compression error, so all compressors compare. It never decreases and survives checkpoint and
+      resume (the running totals are saved with the strategy's state). Sahu et al. (NeurIPS 2021,
+      paper 003) show this total governs convergence under error feedback.
+    * ``gradcomp/step_error`` (:math:`\|e_{t+1}\|^2`) and ``gradcomp/relative_error``
+      (:math:`\|p_t - C(p_t)\|^2 / \|p_t\|^2`);
+    * ``gradcomp/average_density``: :math:`\rho = \sum_t k_t / (T d)` since the start, and
+      ``gradcomp/density`` of this step;
+    * ``gradcomp/bytes_sent``, ``gradcomp/bytes_dense``, their running totals
+      ``gradcomp/bytes_sent_total`` and ``gradcomp/bytes_dense_total``, and
+      ``gradcomp/compression_ratio``;
+    * ``gradcomp/compress_ms`` and ``gradcomp/decompress_ms``: measured time compressing (with error
+      feedback) and decoding, and ``gradcomp/comm_ms_est``: this step's collectives on ``network``.
+
+    Every ``layer_every_n_steps`` steps (0: never) it also logs each parameter's relative error and
+    density, as scalars ``gradcomp/layer/<name>/relative_error`` and ``.../density``, or as two
+    TensorBoard histograms over the layers (``layer_mode="histogram"``).
+
+    The figures of all workers are averaged with one small all-reduce per logging step. With
+    ``log_every_n_steps=0`` the monitor is off and the hook does no extra work.
+
+    Args:
+        network: network model for ``comm_ms_est`` (default: 10 Gbit/s, 50 µs, ring).
+        log_every_n_steps: logging interval in optimizer steps; ``None`` follows the Trainer.
+        layer_every_n_steps: per-layer interval; 0 disables per-layer figures.
+        layer_mode: ``"scalars"`` or ``"histogram"``.
+    """
+
+    def __init__(
+        self,
+        network: Optional[Network] = None,
+        log_every_n_steps: Optional[int] = None,
+        layer_every_n_steps: int = 0,
+        layer_mode: Literal["scalars", "histogram"] = "scalars",
+    ) -> None:
+        if network is not None and not isinstance(network, Network):
+            raise ValueError(f"`network` must be a lightning_gradcomp.netmodel.Network, got {network!r}")
+        self.network = network or Network()
+        self.log_every_n_steps = None if log_every_n_steps is None else check_int(log_every_n_steps, "log_every_n_steps", 0)
+        self.layer_every_n_steps = check_int(layer_every_n_steps, "layer_every_n_steps", 0)
+        if layer_mode not in ("scalars", "histogram"):
+            raise ValueError(f"`layer_mode` must be 'scalars' or 'histogram', got {layer_mode!r}")
+        self.layer_mode = layer_mode
+        self._last_step = -1
+
+    def _interval(self, trainer: "L.Trainer") -> int:
+        return trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            strategy_compressor(trainer, caller="CompressionMonitor")
+            trainer.strategy.log_stats = False  # the monitor logs a superset
+
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        trainer.strategy.hook_state.telemetry = self._interval(trainer) > 0 or self.layer_every_n_steps > 0
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        every = self.layer_every_n_steps
+        trainer.strategy.hook_state.record_layers = every > 0 and (trainer.global_step + 1) % every == 0
+
+    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # gradient accumulation: no optimizer step yet
+            return
+        self._last_step = step
+        stats: StepStats = trainer.strategy.step_stats
+        interval = self._interval(trainer)
+        log_now = interval > 0 and step % interval == 0
+        layer_names = sorted(stats.layers) if stats.layers else []
+        if not log_now and not layer_names:
+            return
+        workers = trainer.world_size
+        values = stats.as_list() + trainer.strategy.hook_state.totals.as_list()
+        values.append(self.network.step_time(stats.collectives, workers))
+        for name in layer_names:
+            layer = stats.layers[name]
+            values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel]
+        averaged = trainer.strategy.reduce(
+            torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="mean"
+        ).tolist()
+        width = len(NUMERIC_FIELDS)
+        step_avg, total_avg = StepStats.from_list(averaged[:width]), StepStats.from_list(averaged[width:2 * width])
+        comm_s = averaged[2 * width]
+        layer_values = averaged[2 * width + 1:]
+        metrics: dict[str, float] = {}
+        if log_now:
+            metrics.update(self._metrics(step_avg, total_avg, comm_s))
+        if layer_names:
+            layers = {name: layer_values[4 * i:4 * i + 4] for i, name in enumerate(layer_names)}
+            metrics.update(self._log_layers(trainer, layers, step))
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # ------------------------------------------------------------------ figures
+    @staticmethod
+    def _metrics(step: StepStats, total: StepStats, comm_s: float) -> dict[str, float]:
+        return {
+            f"{PREFIX}total_error": total.error_sq,
+            f"{PREFIX}step_error": step.error_sq,
+            f"{PREFIX}relative_error": step.relative_error,
+            f"{PREFIX}average_density": total.density,
+            f"{PREFIX}density": step.density,
+            f"{PREFIX}bytes_sent": step.bytes_sent,
+            f"{PREFIX}bytes_dense": step.bytes_dense,
+            f"{PREFIX}bytes_sent_total": total.bytes_sent,
+            f"{PREFIX}bytes_dense_total": total.bytes_dense,
+            f"{PREFIX}compression_ratio": step.compression_ratio,
+            f"{PREFIX}compress_ms": step.compress_s * 1e3,
+            f"{PREFIX}decompress_ms": step.decompress_s * 1e3,
+            f"{PREFIX}comm_ms_est": comm_s * 1e3,
+        }
+
+    def _log_layers(self, trainer: "L.Trainer", layers: dict[str, list[float]], step: int) -> dict[str, float]:
+        relative = {n: (e / g if g else math.nan) for n, (e, g, _, _) in layers.items()}
+        density = {n: (c / d if d else math.nan) for n, (_, _, c, d) in layers.items()}
+        if self.layer_mode == "scalars":
+            metrics = {f"{PREFIX}layer/{n}/relative_error": v for n, v in relative.items()}
+            metrics.update({f"{PREFIX}layer/{n}/density": v for n, v in density.items()})
+            return metrics
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    finite = [v for v in relative.values() if math.isfinite(v)]
+                    logger.experiment.add_histogram(f"{PREFIX}layer_relative_error", torch.tensor(finite), step)
+                    logger.experiment.add_histogram(f"{PREFIX}layer_density", torch.tensor(list(density.values())), step)
+        return {}

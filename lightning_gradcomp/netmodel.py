@@ -1,0 +1,98 @@
+r"""Communication-time model: how long a collective takes on a given network.
+
+Notation: ``N`` workers, ``S`` bytes (the input of the collective on one worker), link bandwidth ``B``
+(bytes/s), per-message latency ``α``. The classic alpha-beta cost model (Thakur, Rabenseifner & Gropp,
+2005) gives, for the topologies of 000 §4.3.1 and the DDP world:
+
+* ring all-reduce (reduce-scatter then all-gather):
+  :math:`T = 2(N-1)\,α + 2\frac{N-1}{N}\frac{S}{B}`
+* ring all-gather of ``S`` bytes per worker:
+  :math:`T = (N-1)\,α + (N-1)\frac{S}{B}`
+* parameter server, push then pull: every worker pushes ``S`` to the server and pulls the result;
+  the server's link carries ``N`` streams each way:
+  :math:`T = 2α + \frac{N S}{B_s} + \frac{N S_{pull}}{B_s}`,
+  with :math:`S_{pull} = S` for a summable (dense) payload and :math:`S_{pull} = N S` for gathered
+  payloads (the server forwards every worker's sparse or quantised payload). ``server_bandwidth_gbps``
+  defaults to ``N`` times the worker link, so the server is never the bottleneck and the time is
+  000's estimate, a bi-directional transfer of the payload over one link: :math:`2α + (S + S_{pull})/B`.
+
+Headers, protocol overheads and congestion are ignored: this is an estimate for comparing compressors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional
+
+TOPOLOGIES = ("ring", "parameter_server")
+
+
+@dataclass(frozen=True)
+class Network:
+    """A network of identical links.
+
+    Args:
+        bandwidth_gbps: link bandwidth in Gbit/s (10 Gbit/s Ethernet by default, as in 000 and QSGD).
+        latency_us: per-message latency in microseconds.
+        topology: ``"ring"`` (all-reduce / all-gather, as NCCL and gloo do) or ``"parameter_server"``.
+        server_bandwidth_gbps: parameter server only: the server's total bandwidth; ``None`` means
+            ``N`` times ``bandwidth_gbps`` (no server bottleneck).
+    """
+
+    bandwidth_gbps: float = 10.0
+    latency_us: float = 50.0
+    topology: Literal["ring", "parameter_server"] = "ring"
+    server_bandwidth_gbps: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_gbps", "server_bandwidth_gbps"):
+            value = getattr(self, name)
+            if value is None and name == "server_bandwidth_gbps":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`{name}` must be a number > 0, got {value!r}")
+        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
+            raise ValueError(f"`latency_us` must be a number >= 0, got {self.latency_us!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"`topology` must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+    def all_reduce_time(self, nbytes: float, workers: int) -> float:
+        """Seconds to all-reduce ``nbytes`` (per worker) among ``workers``."""
+        if workers <= 1:
+            return 0.0
+        if self.topology == "parameter_server":
+            return self._push_pull(nbytes, nbytes, workers)
+        return 2 * (workers - 1) * self.latency_s + 2 * (workers - 1) / workers * nbytes / self.bytes_per_second
+
+    def all_gather_time(self, nbytes: float, workers: int) -> float:
+        """Seconds for every worker to receive every worker's ``nbytes``."""
+        if workers <= 1:
+            return 0.0
+        if self.topology == "parameter_server":
+            return self._push_pull(nbytes, workers * nbytes, workers)
+        return (workers - 1) * self.latency_s + (workers - 1) * nbytes / self.bytes_per_second
+
+    def _push_pull(self, push: float, pull: float, workers: int) -> float:
+        server = (self.server_bandwidth_gbps * 1e9 / 8) if self.server_bandwidth_gbps else workers * self.bytes_per_second
+        link = min(self.bytes_per_second, server / workers)
+        return 2 * self.latency_s + push / link + pull / link
+
+    def time(self, kind: str, nbytes: float, workers: int) -> float:
+        """Seconds for one collective of ``kind`` (``"all_reduce"`` or ``"all_gather"``)."""
+        if kind == "all_reduce":
+            return self.all_reduce_time(nbytes, workers)
+        if kind == "all_gather":
+            return self.all_gather_time(nbytes, workers)
+        raise ValueError(f"`kind` must be 'all_reduce' or 'all_gather', got {kind!r}")
+
+    def step_time(self, collectives: Iterable[tuple[str, float]], workers: int) -> float:
+        """Seconds for a sequence of collectives issued one after another."""
+        return sum(self.time(kind, nbytes, workers) for kind, nbytes in collectives)
