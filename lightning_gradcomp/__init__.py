@@ -19,11 +19,13 @@ from lightning_gradcomp.compressors import (
 )
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.simulation import GradCompSimStrategy
 from lightning_gradcomp.strategy import GradCompStrategy
 
 __version__ = "0.1.0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
+GradCompSimStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BF16",
@@ -32,6 +34,7 @@ __all__ = [
     "QSGD",
     "Compressor",
     "GradCompHookState",
+    "GradCompSimStrategy",
     "GradCompStrategy",
     "HardThreshold",
     "NoCompression",

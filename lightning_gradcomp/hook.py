@@ -21,20 +21,24 @@ from torch.futures import Future
 
 from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.memory import CompressionMemory
+from lightning_gradcomp.pipeline import Compressed, WorkerPipeline, resolve_error_feedback
 from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.telemetry import Stopwatch, StepRecorder, squared_norm
+from lightning_gradcomp.telemetry import Stopwatch
 from lightning_gradcomp.transport import Transport
-
-MAX_NUMEL = 2**31 - 1
 
 
 @dataclass
 class _Compressed:
+    """A parameter's view in the bucket and its compressed gradient."""
+
     view: Tensor
-    payload: Payload
-    corrected: Optional[Tensor]  # p = g + e when error feedback is on
-    name: str
+    item: Compressed
+
+    @property
+    def payload(self) -> Payload:
+        return self.item.payload
 
 
 @dataclass
@@ -76,29 +80,43 @@ class GradCompHookState:
         seed: int = 0,
         group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        if error_feedback and compressor.owns_residual:
-            raise ValueError(
-                f"`error_feedback` must be None or False with {type(compressor).__name__}, which keeps its own "
-                "residual"
-            )
-        default = compressor.biased and not compressor.owns_residual
-        self.compressor = compressor
+        self.error_feedback = resolve_error_feedback(compressor, error_feedback)
+        self.pipeline = WorkerPipeline(compressor, self.error_feedback)
         self.param_names = param_names
-        self.error_feedback = default if error_feedback is None else error_feedback
         self.min_compress_numel = min_compress_numel
         self.seed = seed
         self.transport = Transport(group)
-        self.memory = CompressionMemory()
         self.step = 0
         self.hook_calls = 0
-        self.telemetry = False
         self.record_layers = False
         self.totals = StepStats()
         self._stats = StepStats()
-        self._recorder = StepRecorder()
         self._compress_clock = Stopwatch()
         self._decompress_clock = Stopwatch()
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def compressor(self) -> Compressor:
+        """The compressor in use (a schedule may switch to :class:`NoCompression` for a while)."""
+        return self.pipeline.compressor
+
+    @property
+    def memory(self) -> CompressionMemory:
+        return self.pipeline.memory
+
+    @property
+    def telemetry(self) -> bool:
+        """Measure compression error and time; off, the hook does no extra work."""
+        return self.pipeline.telemetry
+
+    @telemetry.setter
+    def telemetry(self, on: bool) -> None:
+        self.pipeline.telemetry = bool(on)
+
+    def use_compressor(self, compressor: Optional[Compressor]) -> None:
+        """Switch compressor between steps (``None``: send uncompressed); memory and state are kept."""
+        self.pipeline.compressor = compressor if compressor is not None else NoCompression()
 
     # ------------------------------------------------------------------ bookkeeping
     def take_step_stats(self) -> StepStats:
@@ -107,7 +125,7 @@ class GradCompHookState:
             stats, self._stats = self._stats, StepStats()
         stats.collectives = self.transport.take_log()
         if self.telemetry:
-            self._recorder.resolve(stats, per_layer=self.record_layers)
+            self.pipeline.recorder.resolve(stats, per_layer=self.record_layers)
             stats.compress_s = self._compress_clock.take()
             stats.decompress_s = self._decompress_clock.take()
         stats.steps = 1 if stats.buckets else 0
@@ -139,16 +157,12 @@ class GradCompHookState:
         with self._compress_clock.measure(buffer.device) if self.telemetry else nullcontext():
             for param, grad in zip(bucket.parameters(), bucket.gradients()):
                 view = grad.view(-1)
+                ctx = self._context(param, world_size)
                 if view.numel() < self.min_compress_numel:
-                    ctx = self._context(param, world_size)
-                    sent = self.compressor.dense(view, ctx)
-                    dense.append((view, *reduce_slot(sent)))
+                    dense.append((view, *reduce_slot(self.pipeline.dense(view, ctx))))
                     elements_sent += view.numel()
-                    if self.telemetry:
-                        zero = torch.zeros((), dtype=torch.float64, device=view.device)
-                        self._recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel())
                     continue
-                item = self._compress(param, view, world_size)
+                item = _Compressed(view, self.pipeline.compress(view, ctx))
                 elements_sent += item.payload.count
                 if self.compressor.summable:
                     summed.append((item, [reduce_slot(part) for part in item.payload.parts]))
@@ -166,7 +180,7 @@ class GradCompHookState:
                 futures.append(gather_future)
 
             for item in (*[s[0] for s in summed], *gathered):
-                self._remember(item)
+                self.pipeline.remember(item.item)
 
         with self._lock:
             self._stats.bytes_sent += self.transport.bytes_sent - bytes_before
@@ -204,30 +218,7 @@ class GradCompHookState:
         name = self.param_names.get(id(param))
         if name is None:
             raise RuntimeError("gradcomp hook: a bucket holds a parameter the strategy did not name")
-        return CompressContext(name, self.step, self.transport.rank, world_size, self.seed, self.memory.state(name))
-
-    def _compress(self, param: Tensor, view: Tensor, world_size: int) -> _Compressed:
-        ctx = self._context(param, world_size)
-        if view.numel() > MAX_NUMEL:
-            raise RuntimeError(f"gradcomp hook: parameter {ctx.name!r} has more than 2**31 - 1 elements")
-        corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
-        tensor = view if corrected is None else corrected
-        payload = self.compressor.compress(tensor, ctx)
-        item = _Compressed(view, payload, corrected, ctx.name)
-        if self.telemetry and corrected is None:
-            error_sq, input_sq = self.compressor.compression_error(tensor, payload, ctx)
-            self._recorder.add(ctx.name, error_sq, input_sq, payload.count, payload.numel)
-        return item
-
-    def _remember(self, item: _Compressed) -> None:
-        """Error feedback, once the payload is on its way: ``e_{t+1} = p_t − C(p_t)``."""
-        if item.corrected is None:
-            return
-        input_sq = squared_norm(item.corrected) if self.telemetry else None
-        residual = self.memory.update(item.name, item.corrected, item.payload, self.compressor)
-        if input_sq is not None:
-            self._recorder.add(item.name, squared_norm(residual), input_sq, item.payload.count, item.payload.numel)
-        item.corrected = None
+        return self.pipeline.context(name, self.step, self.transport.rank, world_size, self.seed)
 
     def _issue_gather(
         self, gathered: list[_Compressed], dtype: torch.dtype, device: torch.device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.stats import StepStats
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.simulation import GradCompSimStrategy
 
 CHECKPOINT_KEY = "gradcomp"
 _CHECKPOINT_VERSION = 1
@@ -123,6 +126,19 @@ class GradCompStrategy(DDPStrategy):
         self.hook_state: Optional[GradCompHookState] = None
         self.step_stats = StepStats()
         self._pending_checkpoint: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def simulated(cls, workers: int = 4, **kwargs: Any) -> "GradCompSimStrategy":
+        """The single-device simulation of ``workers`` workers with the same compressor options:
+        ``Trainer(devices=1, strategy=GradCompStrategy.simulated(workers=8, compressor=TopK(0.001)))``."""
+        from lightning_gradcomp.simulation import GradCompSimStrategy
+
+        return GradCompSimStrategy(workers=workers, **kwargs)
+
+    @property
+    def compression_workers(self) -> int:
+        """The number of workers exchanging compressed gradients (the world size)."""
+        return self.world_size
 
     # ------------------------------------------------------------------ registration
     @classmethod

@@ -100,7 +100,7 @@ class CompressionMonitor(Callback):
         layer_names = sorted(stats.layers) if stats.layers else []
         if not log_now and not layer_names:
             return
-        workers = trainer.world_size
+        workers = getattr(trainer.strategy, "compression_workers", trainer.world_size)
         values = stats.as_list() + trainer.strategy.hook_state.totals.as_list()
         values.append(self.network.step_time(stats.collectives, workers))
         for name in layer_names:

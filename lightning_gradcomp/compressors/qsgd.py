@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -31,15 +31,18 @@ class QSGD(Compressor):
     7/5/3 by leaving the sign out). Randomness comes from a per-step, per-worker generator.
 
     Args:
-        levels: ``s >= 1``; ``2**bits - 1`` gives a ``bits + 1``-bit code.
+        levels: ``s >= 1``.
         bucket_size: elements per norm; QSGD uses 512.
+        bits: alternatively, the code width in bits (2 to 32), sign included; overrides ``levels``.
     """
 
     name = "qsgd"
     biased = False
 
-    def __init__(self, levels: int = 16, bucket_size: int = 512) -> None:
+    def __init__(self, levels: int = 16, bucket_size: int = 512, bits: Optional[int] = None) -> None:
         self.levels = levels
+        if bits is not None:
+            self.bits = bits
         self.bucket_size = check_int(bucket_size, "bucket_size", 1)
 
     @property
@@ -53,8 +56,16 @@ class QSGD(Compressor):
 
     @property
     def bits(self) -> int:
-        """Bits per element on the wire: level bits plus a sign bit."""
+        """Bits per element on the wire: level bits plus a sign bit, :math:`\lceil\log_2(s+1)\rceil + 1`.
+
+        Setting ``bits = b`` (2 to 32) picks ``levels = 2**(b - 1) - 1``, the most levels a ``b``-bit code
+        holds: the ``b``-bit quantiser a schedule moves along (``bits=8`` is paper 004's 8-bit baseline).
+        """
         return math.ceil(math.log2(self.levels + 1)) + 1
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self.levels = 2 ** (check_int(value, "bits", 2, 32) - 1) - 1
 
     def hparams(self) -> dict[str, Any]:
         return {"levels": self.levels, "bucket_size": self.bucket_size}

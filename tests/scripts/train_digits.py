@@ -14,13 +14,29 @@ import warnings
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.callbacks import DGCWarmup
+from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor, DGCWarmup
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradCompSimStrategy
+from torch.utils.data import DataLoader
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+
+class SimulatedOrderDigits(DigitsDataModule):
+    """Digits in the batch order of a real N-process DDP run (Lightning seeds its sampler with the
+    global seed)."""
+
+    def __init__(self, workers: int, seed: int) -> None:
+        super().__init__(batch_size=32)
+        self.workers, self.seed = workers, seed
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedOrderBatchSampler(self.train_set, self.workers, 32, shuffle=True, seed=self.seed)
+        return DataLoader(self.train_set, batch_sampler=sampler)
 
 
 class RecordSteps(Callback):
@@ -31,14 +47,21 @@ class RecordSteps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        if isinstance(strategy, GradCompStrategy):
+        if isinstance(strategy, (GradCompStrategy, GradCompSimStrategy)):
             stats = strategy.step_stats
             self.steps.append({"global_step": trainer.global_step, "buckets": stats.buckets,
                                "epoch": trainer.current_epoch,
                                "compressor_density": getattr(strategy.compressor, "density", None),
                                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                               "active": repr(strategy.hook_state.compressor),
                                "bytes_sent": stats.bytes_sent, "bytes_dense": stats.bytes_dense,
                                "density": stats.density, "hook_step": strategy.hook_state.step})
+
+
+def _logger(args: argparse.Namespace):
+    if args.tensorboard:
+        return TensorBoardLogger(args.tensorboard, name="run")
+    return CSVLogger(args.csv, name="run") if args.csv else False
 
 
 def main() -> None:
@@ -51,6 +74,7 @@ def main() -> None:
     parser.add_argument("--warmup-epochs", type=int, default=None, help="add DGCWarmup(epochs=N)")
     parser.add_argument("--lr-warmup", action="store_true", help="with --warmup-epochs: warm the LR up too")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--simulate", type=int, default=0, help="simulate N workers on one process")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -61,6 +85,10 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write a checkpoint here after fit")
     parser.add_argument("--test", action="store_true", help="report test accuracy")
     parser.add_argument("--csv", default=None, help="log to a CSVLogger in this directory")
+    parser.add_argument("--tensorboard", default=None, help="log to a TensorBoardLogger in this directory")
+    parser.add_argument("--monitor", action="store_true", help="add CompressionMonitor(layer_every_n_steps=5)")
+    parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveCompression schedule on val_acc")
+    parser.add_argument("--validate", action="store_true", help="run validation every epoch")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -68,20 +96,29 @@ def main() -> None:
     compressor = COMPRESSORS[args.compressor](**args.compressor_kwargs)
     if args.density is not None:
         compressor.density = args.density
-    strategy = GradCompStrategy(compressor=compressor) if args.strategy == "gradcomp" else "ddp"
+    if args.simulate:
+        strategy = GradCompSimStrategy(workers=args.simulate, compressor=compressor)
+        args.devices = 1
+    else:
+        strategy = GradCompStrategy(compressor=compressor) if args.strategy == "gradcomp" else "ddp"
     recorder = RecordSteps()
     callbacks = [recorder]
+    if args.monitor:
+        callbacks.append(CompressionMonitor(network=Network(bandwidth_gbps=10, latency_us=50), layer_every_n_steps=5))
+    if args.adaptive:
+        callbacks.append(AdaptiveCompression(monitor="val_acc", levels=[{"bits": 2}, {"bits": 4}, {"bits": 8}, None],
+                                             thresholds=[0.5, 0.85, 0.99], patience=2, escape_epochs=1))
     if args.warmup_epochs:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
-        logger=CSVLogger(args.csv, name="run") if args.csv else False, log_every_n_steps=5,
+        logger=_logger(args), log_every_n_steps=5,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+        num_sanity_val_steps=0, limit_val_batches=1.0 if args.validate else 0, deterministic=True,
     )
     model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
-    data = DigitsDataModule(batch_size=32)
+    data = SimulatedOrderDigits(args.simulate, args.seed) if args.simulate else DigitsDataModule(batch_size=32)
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
@@ -91,10 +128,14 @@ def main() -> None:
         "steps": recorder.steps,
         "world_size": trainer.world_size,
     }
+    if isinstance(trainer.strategy, GradCompSimStrategy):
+        state = trainer.strategy.hook_state
+        result.update(hook_step=state.step, totals=state.totals.state_dict(),
+                      residual_norms=[p.memory.squared_residual_norm() for p in state.pipelines])
     if isinstance(trainer.strategy, GradCompStrategy):
         state = trainer.strategy.hook_state
         result.update(hook_calls=state.hook_calls, hook_step=state.step,
-                      residual_norm=state.memory.squared_residual_norm())
+                      residual_norm=state.memory.squared_residual_norm(), totals=state.totals.state_dict())
     if args.test:
         result["test_acc"] = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
     torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")

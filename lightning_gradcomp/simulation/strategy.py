@@ -1,0 +1,232 @@
+"""``GradCompSimStrategy``: N data-parallel workers simulated on one device (000 §3.2, Algorithm 1)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
+from lightning_gradcomp.pipeline import resolve_error_feedback
+from lightning_gradcomp.simulation.exchange import SimulatedExchange
+from lightning_gradcomp.stats import StepStats
+
+CHECKPOINT_KEY = "gradcomp"
+
+
+class GradCompSimStrategy(SingleDeviceStrategy):
+    """Simulate ``workers`` data-parallel workers with compressed gradient exchange on one device.
+
+    Each batch is split into ``workers`` equal parts along ``batch_dim``. For each part in turn: the
+    LightningModule's ``training_step`` (forward), backward, and compression of that worker's gradient
+    with that worker's own error-feedback memory (or DGC state); the decoded results are averaged, and
+    one optimizer step follows (000 §3.2, Algorithm 1). The same compressors, callbacks and
+    LightningModule run unchanged; a batch of ``N * b`` samples here is the equivalent of ``N`` real
+    processes with ``b`` each (see :class:`~lightning_gradcomp.simulation.DistributedOrderBatchSampler`
+    for their exact data order).
+
+    Recurrent models: while worker ``i`` runs, ``trainer.strategy.current_worker == i`` (use
+    :func:`~lightning_gradcomp.simulation.current_worker`), so a module can keep one hidden state per
+    worker across batches.
+
+    Telemetry matches the real strategy: ``step_stats`` (figures averaged over workers, bytes as each
+    worker would hand them to ``torch.distributed``) and, with
+    :class:`~lightning_gradcomp.callbacks.CompressionMonitor`, errors and estimated communication time
+    on a network model. Memory: the model once, plus per-worker residuals and compressor state.
+
+    Args:
+        workers: number of simulated workers ``N``.
+        compressor, error_feedback, min_compress_numel, seed, log_stats: as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
+        batch_dim: the dimension along which batches are split (1 for ``(seq, batch)`` layouts).
+        uneven_batches: ``"error"`` (default) refuses a batch whose size is not divisible by
+            ``workers``; ``"split"`` lets ``torch.tensor_split`` make the parts differ by one sample
+            (each worker still weighs ``1/N``, as in DDP).
+        device: the device; default: the accelerator's first device.
+    """
+
+    strategy_name = "gradcomp_sim"
+
+    def __init__(
+        self,
+        workers: int = 4,
+        compressor: Union[Compressor, str] = "topk",
+        error_feedback: Optional[bool] = None,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        log_stats: bool = True,
+        batch_dim: int = 0,
+        uneven_batches: Literal["error", "split"] = "error",
+        device: Optional[Union[str, torch.device]] = None,
+        accelerator: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+    ) -> None:
+        self.workers = check_int(workers, "workers", 1)
+        self.compressor = get_compressor(compressor)
+        resolve_error_feedback(self.compressor, error_feedback)
+        if error_feedback not in (None, True, False):
+            raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        self.min_compress_numel = check_int(min_compress_numel, "min_compress_numel", 0)
+        self.seed = check_int(seed, "seed", 0)
+        self.log_stats = bool(log_stats)
+        self.batch_dim = check_int(batch_dim, "batch_dim", 0)
+        if uneven_batches not in ("error", "split"):
+            raise ValueError(f"`uneven_batches` must be 'error' or 'split', got {uneven_batches!r}")
+        self.uneven_batches = uneven_batches
+        self._device_given = device is not None
+        super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.hook_state: Optional[SimulatedExchange] = None
+        self.step_stats = StepStats()
+        self.current_worker = 0
+        self._worker_losses: list[Tensor] = []
+        self._pending_checkpoint: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "gradcomp_sim", cls, description="N workers with compressed gradients simulated on one device",
+            override=True,
+        )
+
+    @property
+    def compression_workers(self) -> int:
+        """The number of workers whose exchange is compressed (here: simulated)."""
+        return self.workers
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.accelerator is not None:
+            kind = type(self.accelerator).__name__.lower()
+            if "cuda" in kind and torch.cuda.is_available():
+                return torch.device("cuda", torch.cuda.current_device())
+            if "mps" in kind:
+                return torch.device("mps")
+        return self._root_device
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("GradCompSimStrategy needs automatic optimization (`automatic_optimization = True`)")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "GradCompSimStrategy: `accumulate_grad_batches` must be 1 (allowed: 1); give each simulated "
+                "worker a larger share of the batch instead"
+            )
+        for optimizer in self.optimizers:
+            self.compressor.check_optimizer(optimizer)
+        self.hook_state = SimulatedExchange(self.compressor, self.workers, self.error_feedback,
+                                            self.min_compress_numel, self.seed)
+        self._restore_pending()
+
+    # ------------------------------------------------------------------ one step, N workers
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, rest = args[0], args[1:]
+        outputs = []
+        for worker, part in enumerate(self._split(batch)):
+            self.current_worker = worker
+            with self.precision_plugin.train_step_context():
+                outputs.append(self.lightning_module.training_step(part, *rest, **kwargs))
+        self.current_worker = 0
+        losses = [out["loss"] if isinstance(out, dict) else out for out in outputs]
+        if any(loss is None for loss in losses):
+            raise ValueError("GradCompSimStrategy: every simulated worker's training_step must return a loss")
+        self._worker_losses = losses
+        mean = torch.stack([loss.detach() for loss in losses]).mean().requires_grad_()
+        if isinstance(outputs[-1], dict):
+            return {**outputs[-1], "loss": mean}
+        return mean
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Backward and compression worker by worker; the parameters end up with the averaged result."""
+        assert self.hook_state is not None and self.lightning_module is not None
+        module = self.lightning_module
+        params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        for worker, loss in enumerate(self._worker_losses):
+            for _, p in params:
+                p.grad = None
+            self.current_worker = worker
+            super().backward(loss, optimizer, *args, **kwargs)
+            grads = [(name, p.grad) for name, p in params if p.grad is not None]
+            self.hook_state.add_worker(worker, grads)
+        self.current_worker = 0
+        self._worker_losses = []
+        aggregate = self.hook_state.finish_step()
+        for name, p in params:
+            p.grad = aggregate[name].view_as(p) if name in aggregate else None
+        self.step_stats = self.hook_state.step_stats
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.log_stats:
+            trainer = self.lightning_module.trainer
+            interval = trainer.log_every_n_steps
+            if trainer.loggers and interval > 0 and trainer.global_step % interval == 0:
+                for logger in trainer.loggers:
+                    logger.log_metrics(self.step_stats.metrics(), step=trainer.global_step)
+        return output
+
+    def _split(self, batch: Any) -> list[Any]:
+        sizes = []
+        apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[self.batch_dim]) if t.dim() > self.batch_dim else None)
+        if not sizes:
+            raise ValueError(f"GradCompSimStrategy: the batch holds no tensor with a dimension {self.batch_dim} to split")
+        if self.uneven_batches == "error" and any(size % self.workers for size in sizes):
+            raise ValueError(
+                f"GradCompSimStrategy: a batch of {sizes[0]} samples cannot be split equally among {self.workers} "
+                f"workers; use a batch size divisible by `workers`, drop_last=True, or uneven_batches='split'"
+            )
+        if min(sizes) < self.workers:
+            raise ValueError(f"GradCompSimStrategy: a batch of {min(sizes)} samples is smaller than `workers` "
+                             f"({self.workers})")
+        return [
+            apply_to_collection(batch, Tensor, partial(_part, dim=self.batch_dim, parts=self.workers, index=worker))
+            for worker in range(self.workers)
+        ]
+
+    # ------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.hook_state is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "version": 1, "world_size": self.workers, "compressor": type(self.compressor).__name__,
+                "ranks": self.hook_state.state_dicts(),
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        if self.hook_state is not None:
+            self._restore_pending()
+        return checkpoint
+
+    def _restore_pending(self) -> None:
+        saved, self._pending_checkpoint = self._pending_checkpoint, None
+        if saved is None or self.hook_state is None:
+            return
+        if saved.get("world_size") != self.workers or saved.get("compressor") != type(self.compressor).__name__:
+            rank_zero_warn(
+                f"gradcomp: the checkpoint holds the memory of {saved.get('world_size')} workers of "
+                f"{saved.get('compressor')}, this run simulates {self.workers} of {type(self.compressor).__name__}; "
+                "the residuals are dropped and start from zero."
+            )
+            return
+        self.hook_state.load_state_dicts(saved["ranks"], self.root_device)
+
+
+def _part(tensor: Tensor, dim: int, parts: int, index: int) -> Tensor:
+    """Worker ``index``'s share of ``tensor`` (tensors without the batch dimension are shared)."""
+    if tensor.dim() <= dim:
+        return tensor
+    return torch.tensor_split(tensor, parts, dim=dim)[index]
