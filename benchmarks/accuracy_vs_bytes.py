@@ -1,0 +1,127 @@
+"""Accuracy against bytes sent, per compressor and setting, side by side with no compression.
+
+    python benchmarks/accuracy_vs_bytes.py [--epochs 3] [--workers 4] [--suite grid|adaptive] [--plot out.png]
+
+Fashion-MNIST (offline: ``apt-get install dataset-fashion-mnist``), a 784-256-128-10 MLP, ``workers``
+workers simulated on one device (000 §3.2) with batch 64 per worker, SGD. ``grid`` is 000's table:
+Top-k and DGC at 50x/500x/5000x, QSGD with 64/16/4 levels, hard threshold (λ = 1/(2√k) for k = 0.1% of
+the model per step), uncompressed. ``adaptive`` is paper 004's comparison: uncompressed, constant
+8-bit, and the adaptive schedule. Printed per run: final test accuracy, bytes each worker handed to
+the collectives over training, the measured compression ratio and average density, wall time, and the
+communication time estimated on a 10 Gbit/s parameter server (000's setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+
+import lightning as L
+import torch
+
+from _timing import print_table
+from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor
+from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, NoCompression, TopK
+from lightning_gradcomp.examples.vision import FashionMNISTDataModule, ImageClassifier
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.simulation import GradCompSimStrategy
+
+NETWORK = Network(bandwidth_gbps=10, latency_us=50, topology="parameter_server")
+PARAMS = 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+
+
+def grid() -> list[tuple[str, str, object, list]]:
+    k = 0.001 * PARAMS
+    runs = [("none", "-", NoCompression(), [])]
+    for ratio, density in (("50x", 0.01), ("500x", 0.001), ("5000x", 0.0001)):
+        runs.append(("topk", ratio, TopK(density), []))
+    for ratio, density in (("50x", 0.01), ("500x", 0.001), ("5000x", 0.0001)):
+        runs.append(("dgc", ratio, DGC(density, momentum=0.9), []))
+    for levels in (64, 16, 4):
+        runs.append(("qsgd", f"s={levels}", QSGD(levels=levels), []))
+    runs.append(("threshold", "λ=1/(2√k), k=0.1%", HardThreshold(1 / (2 * math.sqrt(k))), []))
+    return runs
+
+
+def adaptive() -> list[tuple[str, str, object, list]]:
+    schedule = AdaptiveCompression(monitor="val_acc", levels=[{"bits": 2}, {"bits": 4}, {"bits": 8}, None],
+                                   thresholds=[0.80, 0.84, 0.87], loss_delta=0.005, patience=3, escape_epochs=1)
+    return [("none", "-", NoCompression(), []), ("qsgd", "constant 8-bit", QSGD(bits=8), []),
+            ("qsgd", "adaptive 2/4/8/32-bit", QSGD(bits=2), [schedule])]
+
+
+def run(compressor, callbacks: list, args: argparse.Namespace) -> dict:
+    L.seed_everything(0, verbose=False)
+    momentum = 0.0 if isinstance(compressor, DGC) else 0.9
+    model = ImageClassifier(backbone="fashion_mlp", lr=0.05, momentum=momentum, weight_decay=0.0)
+    data = FashionMNISTDataModule(data_dir=args.data_dir, batch_size=64 * args.workers)
+    strategy = GradCompSimStrategy(workers=args.workers, compressor=compressor, min_compress_numel=1024)
+    monitor = CompressionMonitor(network=NETWORK, log_every_n_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=args.epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[monitor, *callbacks], num_sanity_val_steps=0)
+    comm = []
+    original = monitor.on_train_batch_end
+
+    def record(trainer_, module, outputs, batch, batch_idx):
+        comm.append(NETWORK.step_time(trainer_.strategy.step_stats.collectives, args.workers))
+        original(trainer_, module, outputs, batch, batch_idx)
+
+    monitor.on_train_batch_end = record
+    began = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    wall = time.perf_counter() - began
+    accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
+    totals = strategy.hook_state.totals
+    return {"acc": accuracy, "bytes": totals.bytes_sent, "ratio": totals.bytes_dense / totals.bytes_sent,
+            "density": totals.density, "wall": wall, "comm": sum(comm)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--suite", choices=["grid", "adaptive"], default="grid")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--plot", default=None, help="write accuracy against bytes to this PNG (needs matplotlib)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    runs = grid() if args.suite == "grid" else adaptive()
+    print(f"# Fashion-MNIST MLP ({PARAMS} parameters), {args.workers} simulated workers x batch 64, "
+          f"{args.epochs} epochs, suite {args.suite}; comm estimated on {NETWORK}")
+    results, rows = [], []
+    baseline = None
+    for method, setting, compressor, callbacks in runs:
+        result = run(compressor, callbacks, args)
+        baseline = baseline or result
+        results.append((method, setting, result))
+        rows.append([method, setting, f"{100 * result['acc']:.2f}", f"{result['bytes'] / 1e6:.2f}",
+                     f"{result['ratio']:.1f}x", f"{result['density']:.4g}", f"{result['wall']:.1f}",
+                     f"{result['wall'] / baseline['wall']:.2f}", f"{result['comm']:.2f}"])
+        print(f"done: {method} {setting}: {rows[-1]}", flush=True)
+    print()
+    print_table(["method", "setting", "test acc (%)", "MB sent / worker", "ratio", "avg density", "wall (s)",
+                 "wall / none", "comm est (s)"], rows)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for method, setting, result in results:
+            ax.scatter(result["bytes"] / 1e6, 100 * result["acc"], label=f"{method} {setting}")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per worker (log)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
