@@ -73,8 +73,8 @@ def run(compressor, callbacks: list, args: argparse.Namespace) -> dict:
     began = time.perf_counter()
     trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - began
-    accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
     totals = strategy.hook_state.totals
+    accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
     return {"acc": accuracy, "bytes": totals.bytes_sent, "ratio": totals.bytes_dense / totals.bytes_sent,
             "density": totals.density, "wall": wall, "comm": sum(comm)}
 

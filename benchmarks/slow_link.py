@@ -52,7 +52,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, methods: list[str], ou
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
     from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, TopK
     from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
@@ -69,7 +69,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, methods: list[str], ou
         names = {id(p): n for n, p in model.named_parameters()}
         k = 0.001 * sum(p.numel() for p in model.parameters())
         if method == "noop":
-            ddp.register_comm_hook(None, default_hooks.noop_hook)
+            ddp.register_comm_hook(None, debugging_hooks.noop_hook)
         elif method == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method == "powersgd":

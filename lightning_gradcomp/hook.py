@@ -193,6 +193,10 @@ class GradCompHookState:
             self.step += 1
 
         def finish(_: Future) -> Tensor:
+            # collect_all's future carries no CUDA events: waiting on each child future raises its error,
+            # if any, and makes the current stream wait for NCCL before the results are read.
+            for future in futures:
+                future.wait()
             with self._decompress_clock.measure(buffer.device) if self.telemetry else nullcontext():
                 sums = {dtype: flat.split([t.numel() for t in reduce_groups[dtype].tensors])
                         for dtype, flat in flat_sums.items()}

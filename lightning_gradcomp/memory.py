@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload
+from lightning_gradcomp.compressors.base import Compressor, Payload, keep_finite
 
 
 class CompressionMemory:
@@ -46,10 +46,7 @@ class CompressionMemory:
         """
         residual = corrected
         compressor.accumulate(payload, residual, alpha=-1.0)
-        finite = torch.isfinite(residual)
-        previous = self.residuals.get(name)
-        fallback = previous if previous is not None and previous.shape == residual.shape else 0.0
-        residual = torch.where(finite, residual, fallback)
+        residual = keep_finite(residual, self.residuals.get(name))
         self.residuals[name] = residual
         return residual
 

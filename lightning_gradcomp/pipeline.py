@@ -8,7 +8,7 @@ directly (simulation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -39,6 +39,24 @@ def resolve_error_feedback(compressor: Compressor, error_feedback: Optional[bool
     if error_feedback is None:
         return compressor.biased and not compressor.owns_residual
     return bool(error_feedback)
+
+
+def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: list, precision_plugin: Any) -> None:
+    """Refuse, before the first step, settings that would silently train something else.
+
+    * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's);
+    * fp16 mixed precision with memory (error feedback or DGC's state): the hook sees gradients times a
+      loss scale that GradScaler changes and whose overflow steps it skips, so the memory would be kept
+      at stale scales and advanced on skipped steps.
+    """
+    for optimizer in optimizers:
+        compressor.check_optimizer(optimizer)
+    if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.owns_residual):
+        raise ValueError(
+            f"precision='16-mixed' scales gradients by a changing loss scale, which the memory of "
+            f"{type(compressor).__name__} (error feedback or DGC state) would keep at stale scales; "
+            "allowed: precision='bf16-mixed', '32-true' or '64-true', or a compressor without memory"
+        )
 
 
 class WorkerPipeline:

@@ -13,26 +13,26 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
 from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.stats import StepStats
 
 if TYPE_CHECKING:
     from lightning_gradcomp.simulation import GradCompSimStrategy
 
-CHECKPOINT_KEY = "gradcomp"
-_CHECKPOINT_VERSION = 1
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 #: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
 _STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(DDPStrategy):
+class GradCompStrategy(RestoresCompressionState, DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
@@ -125,7 +125,6 @@ class GradCompStrategy(DDPStrategy):
         )
         self.hook_state: Optional[GradCompHookState] = None
         self.step_stats = StepStats()
-        self._pending_checkpoint: Optional[dict[str, Any]] = None
 
     @classmethod
     def simulated(cls, workers: int = 4, **kwargs: Any) -> "GradCompSimStrategy":
@@ -161,8 +160,8 @@ class GradCompStrategy(DDPStrategy):
     # ------------------------------------------------------------------ hook installation
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        for optimizer in self.optimizers:
-            self.compressor.check_optimizer(optimizer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
 
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks only on CUDA; gloo on CPU supports them just as well.
@@ -217,43 +216,8 @@ class GradCompStrategy(DDPStrategy):
             gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(local, gathered, dst=0)
             if self.is_global_zero:
-                checkpoint[CHECKPOINT_KEY] = {
-                    "version": _CHECKPOINT_VERSION,
-                    "world_size": self.world_size,
-                    "compressor": type(self.compressor).__name__,
-                    "ranks": gathered,
-                }
+                checkpoint[CHECKPOINT_KEY] = pack(self.world_size, self.compressor, gathered)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
-        if self.hook_state is not None:
-            self._restore_pending()
-        return checkpoint
-
-    def _restore_pending(self) -> None:
-        saved, self._pending_checkpoint = self._pending_checkpoint, None
-        if saved is None or self.hook_state is None:
-            return
-        if saved.get("world_size") != self.world_size:
-            rank_zero_warn(
-                f"gradcomp: the checkpoint holds error-feedback memory of {saved.get('world_size')} workers, this "
-                f"run has {self.world_size}; the residuals are dropped and start from zero."
-            )
-            self.hook_state.totals = _mean_totals(saved["ranks"])
-            return
-        if saved.get("compressor") != type(self.compressor).__name__:
-            rank_zero_warn(
-                f"gradcomp: the checkpoint's memory belongs to {saved.get('compressor')}, this run uses "
-                f"{type(self.compressor).__name__}; the residuals are dropped and start from zero."
-            )
-            self.hook_state.totals = _mean_totals(saved["ranks"])
-            return
-        self.hook_state.load_state_dict(saved["ranks"][self.global_rank], self.root_device)
-
-
-def _mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
-    """The running totals averaged over the saved ranks (kept when the residuals cannot be)."""
-    totals = [StepStats.from_state_dict(rank.get("totals", {})) for rank in ranks]
-    return StepStats.from_list([sum(values) / len(totals) for values in zip(*(t.as_list() for t in totals))])
+    def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:
+        self.hook_state.load_state_dict(ranks[self.global_rank], self.root_device)

@@ -28,10 +28,11 @@ class Stopwatch:
     @contextmanager
     def measure(self, device: torch.device) -> Iterator[None]:
         if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             with self._lock:
                 self._events.append((start, end))
         else:

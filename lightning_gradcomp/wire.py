@@ -9,6 +9,7 @@ parts and, for data-dependent counts, the counts themselves crosses the wire.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,7 @@ class Slot:
         return self.numel * _itemsize(self.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

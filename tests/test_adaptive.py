@@ -113,3 +113,12 @@ def test_both_ranks_use_the_same_level_at_every_step(lightning_runs) -> None:
     changes = len([1 for a, b in zip(active, active[1:]) if a != b])
     assert len(printed) == len(set(printed)), "each change is printed once, by rank 0 only"
     assert changes <= len(printed) <= changes + 1  # the last epoch's change has no step after it
+
+
+def test_an_uncompressed_level_is_refused_for_dgc() -> None:
+    from lightning_gradcomp.callbacks.adaptive import check_level_keys
+    from lightning_gradcomp.compressors import DGC
+
+    with pytest.raises(ValueError, match=r"an uncompressed level \(None\) would drop DGC's momentum"):
+        check_level_keys(DGC(), [{"density": 0.01}, None], "test")
+    check_level_keys(DGC(), [{"density": 0.01}, {"density": 1.0}], "test")

@@ -151,3 +151,35 @@ def test_generic_error_feedback_cannot_be_forced_on_dgc() -> None:
 
     with pytest.raises(ValueError, match="`error_feedback` must be None or False with DGC"):
         GradCompStrategy(compressor=DGC(), error_feedback=True)
+
+
+def test_optimizer_with_a_first_moment_is_refused_under_dgc_momentum() -> None:
+    with pytest.raises(ValueError, match=r"Adam keeps a first moment too \(betas\[0\]=0.9"):
+        DGC(momentum=0.9).check_optimizer(torch.optim.Adam(_Params().parameters(), lr=1e-3))
+
+
+def test_density_one_after_sparse_steps_flushes_the_velocity() -> None:
+    compressor, state = DGC(density=0.1, momentum=0.0), {}
+    g = torch.randn(100, dtype=torch.float64)
+    compressor.compress(g, CompressContext("w", step=0, state=state))
+    left_over = state[VELOCITY].clone()
+    compressor.density = 1.0
+    payload = compressor.compress(g, CompressContext("w", step=1, state=state))
+    torch.testing.assert_close(compressor.decompress(payload, torch.float64), g + left_over)
+    assert VELOCITY not in state
+
+
+def test_fp16_mixed_precision_is_refused_with_memory_but_not_without() -> None:
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.pipeline import check_fit_setup
+
+    scaled = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"precision='16-mixed' .* allowed: precision='bf16-mixed'"):
+        check_fit_setup(TopK(0.01), True, [], scaled)
+    with pytest.raises(ValueError, match="16-mixed"):
+        check_fit_setup(DGC(), False, [], scaled)
+    from lightning_gradcomp.compressors import QSGD
+
+    check_fit_setup(QSGD(), False, [], scaled)  # unbiased, no memory: fine
+    check_fit_setup(TopK(0.01), True, [], SimpleNamespace(scaler=None))  # bf16-mixed / 32-true: fine

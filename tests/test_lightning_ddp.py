@@ -77,7 +77,7 @@ def test_resume_with_another_world_size_drops_residuals_with_a_warning(lightning
     lightning_runs("half", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt))
     single, output = lightning_runs("single", "--compressor", "topk", "--epochs", "3", "--devices", "1",
                                     "--resume", str(ckpt))
-    assert "holds error-feedback memory of 2 workers, this run has 1; the residuals are dropped" in output
+    assert "holds error-feedback memory of 2 workers of TopK, this run has 1 of TopK; the residuals are dropped" in output
     assert single[0]["global_step"] > 2 * STEPS_PER_EPOCH
 
 

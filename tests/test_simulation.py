@@ -156,3 +156,36 @@ def test_callbacks_work_unchanged_with_the_simulation(lightning_runs) -> None:
     for tag in ("total_error", "comm_ms_est", "average_density", "compress_ms", "bytes_sent_total"):
         assert f"gradcomp/{tag}" in tags, tag
     assert all(e.value > 0 for e in events.Scalars("gradcomp/comm_ms_est"))
+
+
+def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
+    from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+    class EpochSeededDigits(DigitsDataModule):  # the order of epoch e depends on (seed, e) only
+        def train_dataloader(self):
+            return DataLoader(self.train_set, batch_sampler=DistributedOrderBatchSampler(self.train_set, 2, 32, seed=3))
+
+    L.seed_everything(3, verbose=False)
+    model = DigitsClassifier(hidden=64)
+    strategy = GradCompSimStrategy(workers=2, compressor=TopK(0.02))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, deterministic=True, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=EpochSeededDigits(batch_size=32), ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    return model, strategy
+
+
+def test_simulated_run_resumes_with_every_workers_memory(tmp_path) -> None:
+    whole, whole_strategy = _sim_fit(tmp_path, 2)
+    ckpt = tmp_path / "half.ckpt"
+    _sim_fit(tmp_path, 1, ckpt_out=ckpt)
+    saved = torch.load(ckpt, weights_only=True)["gradcomp"]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    resumed, resumed_strategy = _sim_fit(tmp_path, 2, ckpt_in=ckpt)
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    for a, b in zip(whole_strategy.hook_state.pipelines, resumed_strategy.hook_state.pipelines):
+        assert torch.equal(a.memory.residuals["net.0.weight"], b.memory.residuals["net.0.weight"])
+    assert whole_strategy.hook_state.totals == resumed_strategy.hook_state.totals

@@ -40,8 +40,14 @@ def apply_level(trainer: "L.Trainer", level: Level, caller: str) -> None:
 
 
 def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: str) -> None:
-    """Every key of every level must be a settable parameter of the compressor."""
+    """Every key of every level must be a settable parameter of the compressor, and an uncompressed
+    level (None) is refused for compressors that carry the optimizer's momentum (DGC)."""
     allowed = sorted(compressor.hparams())
+    if compressor.owns_residual and any(level is None for level in levels):
+        raise ValueError(
+            f"{caller}: an uncompressed level (None) would drop {type(compressor).__name__}'s momentum and leave its "
+            "velocity stale; use a dense level such as {'density': 1.0} instead"
+        )
     for level in levels:
         for key in level or {}:
             if key not in allowed and not isinstance(getattr(type(compressor), key, None), property):
@@ -184,18 +190,24 @@ class AdaptiveCompression(Callback):
         index = -1 if self.state.escape_left > 0 else self.state.level
         _log_level(pl_module, index, self.current_level)
 
-    def on_validation_epoch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+    def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        # After the LightningModule's own on_validation_epoch_end, so metrics logged there count.
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        metrics = trainer.callback_metrics
-        metric = metrics.get(self.monitor)
-        loss = metrics.get(self.loss_monitor) if self.loss_delta is not None else None
-        if metric is None:
-            raise ValueError(f"AdaptiveCompression: `monitor` {self.monitor!r} was not logged; logged metrics: "
-                             f"{', '.join(sorted(metrics)) or 'none'}")
-        message = self.step(float(metric), None if loss is None else float(loss))
-        # Rank 0 decides; every rank takes its state, so all use the same level.
-        self.state = trainer.strategy.broadcast(self.state, src=0)
+        decision: tuple[Optional[str], Optional[str]] = (None, None)  # (error, message)
+        if trainer.is_global_zero:  # rank 0 decides, every rank takes its state: all use the same level
+            metrics = trainer.callback_metrics
+            metric = metrics.get(self.monitor)
+            loss = metrics.get(self.loss_monitor) if self.loss_delta is not None else None
+            if metric is None:
+                decision = (f"AdaptiveCompression: `monitor` {self.monitor!r} was not logged; logged metrics: "
+                            f"{', '.join(sorted(metrics)) or 'none'}", None)
+            else:
+                decision = (None, self.step(float(metric), None if loss is None else float(loss)))
+        self.state, decision = trainer.strategy.broadcast((self.state, decision), src=0)
+        error, message = decision
+        if error:
+            raise ValueError(error)
         if message:
             rank_zero_info(f"gradcomp AdaptiveCompression, epoch {trainer.current_epoch}: {message}")
         apply_level(trainer, self.current_level, "AdaptiveCompression")
@@ -268,6 +280,9 @@ class GradientNormTrigger(Callback):
         self._lrs = self._learning_rates(trainer)
 
     def on_before_optimizer_step(self, trainer: "L.Trainer", pl_module: "L.LightningModule", optimizer: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack([torch.linalg.vector_norm(g) for g in grads])).all()):
+            return  # a step AMP will skip: not part of the signal
         with torch.no_grad():
             for name, p in pl_module.named_parameters():
                 if p.grad is not None:

@@ -175,6 +175,18 @@ def sparse_count(density: float, numel: int) -> int:
     return max(1, min(numel, int(round(density * numel))))
 
 
+def keep_finite(new: Tensor, previous: Optional[Tensor]) -> Tensor:
+    """``new`` where finite, else ``previous`` (or 0): state never turns NaN/Inf because of one bad step.
+
+    On CPU a single check skips the element-wise selection in the usual all-finite case; on GPUs the
+    selection is always made, to avoid a host synchronisation.
+    """
+    if new.device.type == "cpu" and bool(torch.isfinite(new).all()):
+        return new
+    fallback = previous if previous is not None and previous.shape == new.shape else 0.0
+    return torch.where(torch.isfinite(new), new, fallback)
+
+
 def check_density(density: float, parameter: str = "density") -> float:
     """Validate a density in (0, 1]."""
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0) \

@@ -9,21 +9,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, sparse_count
+from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, keep_finite, sparse_count
 from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
-from lightning_gradcomp.compressors.sparse import _ValuesAndIndices
+from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
 
 MOMENTUM = "momentum"
 VELOCITY = "velocity"
 
 
-def keep_finite(new: Tensor, previous: Optional[Tensor]) -> Tensor:
-    """``new`` where finite, else ``previous`` (or 0): state never turns NaN/Inf because of one bad step."""
-    fallback = previous if previous is not None and previous.shape == new.shape else 0.0
-    return torch.where(torch.isfinite(new), new, fallback)
-
-
-class DGC(_ValuesAndIndices):
+class DGC(HasDensity, _ValuesAndIndices):
     r"""Deep Gradient Compression: sparse exchange with momentum correction, momentum-factor masking,
     local gradient clipping and sampled threshold selection (000 §3.1.2; 001).
 
@@ -86,15 +80,6 @@ class DGC(_ValuesAndIndices):
         self.selection = selection
         self.sample_fraction = check_density(sample_fraction, "sample_fraction")
 
-    @property
-    def density(self) -> float:
-        """Fraction of coordinates sent, in (0, 1]; a schedule may change it between steps."""
-        return self._density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        self._density = check_density(value)
-
     def hparams(self) -> dict[str, Any]:
         return {"density": self.density, "momentum": self.momentum, "clip_norm": self.clip_norm,
                 "scale_clip_by_workers": self.scale_clip_by_workers, "nesterov": self.nesterov,
@@ -111,6 +96,13 @@ class DGC(_ValuesAndIndices):
         if self.momentum == 0:
             return
         for index, group in enumerate(optimizer.param_groups):
+            betas = group.get("betas")
+            if betas and betas[0] > 0:
+                raise ValueError(
+                    f"DGC(momentum={self.momentum}) holds the momentum, but {type(optimizer).__name__} keeps a first "
+                    f"moment too (betas[0]={betas[0]}, param group {index}). Use plain SGD (momentum 0) with DGC, or "
+                    "DGC(momentum=0) to keep the optimizer's."
+                )
             if group.get("momentum", 0):
                 raise ValueError(
                     f"DGC(momentum={self.momentum}) holds the momentum, but {type(optimizer).__name__} applies "
@@ -140,9 +132,11 @@ class DGC(_ValuesAndIndices):
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
         _, increment = self._momentum_update(tensor, ctx)
-        if k == numel:  # density 1: momentum SGD, no accumulation, no masking
-            return Payload((increment.to(tensor.dtype), increment.new_empty(0, dtype=torch.int32)), numel, numel)
         previous_velocity = ctx.state.get(VELOCITY)
+        if k == numel:  # density 1: momentum SGD, nothing delayed, no masking; a velocity left over is sent too
+            sent = increment if previous_velocity is None else increment + previous_velocity
+            ctx.state.pop(VELOCITY, None)
+            return Payload((sent.to(tensor.dtype), increment.new_empty(0, dtype=torch.int32)), numel, numel)
         velocity = increment if previous_velocity is None else previous_velocity + increment
         magnitude = velocity.abs()
         if self.selection == "exact":

@@ -1,8 +1,9 @@
 """Dense formats: no compression, and casts to 16-bit floats.
 
 ``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are summable: like PyTorch's
-``fp16_compress_hook`` the transport divides by the world size *before* the 16-bit all-reduce, so the
-sum cannot overflow fp16's range of ±65504.
+``fp16_compress_hook`` the transport divides by the world size before the 16-bit all-reduce, so the
+sum stays within range whenever each worker's value does; a gradient element beyond fp16's ±65504
+still overflows in the cast (prefer ``BF16``, with fp32's range, for such models).
 """
 
 from __future__ import annotations

@@ -39,7 +39,22 @@ class _ValuesAndIndices(Compressor):
         out.index_add_(0, indices, values.to(out.dtype), alpha=alpha)
 
 
-class TopK(_ValuesAndIndices):
+class HasDensity:
+    """A ``density`` hyper-parameter in (0, 1], validated on every change (schedules move it)."""
+
+    _density: float
+
+    @property
+    def density(self) -> float:
+        """Fraction of coordinates sent, in (0, 1]; a schedule may change it between steps."""
+        return self._density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self._density = check_density(value)
+
+
+class TopK(HasDensity, _ValuesAndIndices):
     r"""Top-k sparsification: keep the fraction ``density`` of coordinates with the largest magnitude.
 
     .. math:: C(p)_i = p_i \text{ if } |p_i| \text{ is among the } k = \lceil\rho d\rfloor \text{ largest, else } 0
@@ -53,15 +68,6 @@ class TopK(_ValuesAndIndices):
     def __init__(self, density: float = 0.01) -> None:
         self.density = density
 
-    @property
-    def density(self) -> float:
-        """Fraction of coordinates kept, in (0, 1]; a schedule may change it between steps."""
-        return self._density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        self._density = check_density(value)
-
     def hparams(self) -> dict[str, Any]:
         return {"density": self.density}
 
@@ -74,7 +80,7 @@ class TopK(_ValuesAndIndices):
         return self._payload(tensor, indices)
 
 
-class RandomK(_ValuesAndIndices):
+class RandomK(HasDensity, _ValuesAndIndices):
     r"""Random-k sparsification: keep ``k = \lceil\rho d\rfloor`` coordinates drawn uniformly without
     replacement.
 
@@ -92,8 +98,6 @@ class RandomK(_ValuesAndIndices):
         if not isinstance(shared_indices, bool):
             raise ValueError(f"`shared_indices` must be True or False, got {shared_indices!r}")
         self.shared_indices = shared_indices
-
-    density = TopK.density
 
     def hparams(self) -> dict[str, Any]:
         return {"density": self.density, "shared_indices": self.shared_indices}
@@ -115,7 +119,7 @@ class RandomK(_ValuesAndIndices):
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
         generator = ctx.generator(tensor.device, per_rank=not self.shared_indices)
-        indices = torch.randperm(numel, generator=generator, device=tensor.device)[:k]
+        indices = sample_without_replacement(numel, k, generator, tensor.device)
         if not self.shared_indices:
             return self._payload(tensor, indices)
         return Payload((tensor[indices],), numel, k, meta=indices)
@@ -124,6 +128,24 @@ class RandomK(_ValuesAndIndices):
         if not self.shared_indices:
             return super().accumulate(payload, out, alpha)
         out.index_add_(0, payload.meta, payload.parts[0].to(out.dtype), alpha=alpha)
+
+
+def sample_without_replacement(n: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
+    """``k`` distinct indices drawn uniformly from ``range(n)``.
+
+    For ``k`` well below ``n``: draw a few more than ``k`` with replacement, drop repeats, and keep a
+    random ``k`` of the distinct ones (O(k log k), where ``randperm(n)`` costs O(n)). Each ``k``-subset
+    is equally likely: the distinct draws are a uniform random subset, and so is a random part of it.
+    """
+    if k * 8 > n:
+        return torch.randperm(n, generator=generator, device=device)[:k]
+    draws = k + max(16, k // 8)
+    while True:
+        distinct = torch.unique(torch.randint(0, n, (draws,), generator=generator, device=device))
+        if distinct.numel() >= k:
+            keep = torch.randperm(distinct.numel(), generator=generator, device=device)[:k]
+            return distinct[keep]
+        draws *= 2
 
 
 class HardThreshold(_ValuesAndIndices):

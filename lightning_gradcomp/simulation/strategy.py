@@ -9,19 +9,19 @@ import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
 from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
-from lightning_gradcomp.pipeline import resolve_error_feedback
+from lightning_gradcomp.pipeline import check_fit_setup, resolve_error_feedback
 from lightning_gradcomp.simulation.exchange import SimulatedExchange
 from lightning_gradcomp.stats import StepStats
 
-CHECKPOINT_KEY = "gradcomp"
 
 
-class GradCompSimStrategy(SingleDeviceStrategy):
+class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
     """Simulate ``workers`` data-parallel workers with compressed gradient exchange on one device.
 
     Each batch is split into ``workers`` equal parts along ``batch_dim``. For each part in turn: the
@@ -89,7 +89,6 @@ class GradCompSimStrategy(SingleDeviceStrategy):
         self.step_stats = StepStats()
         self.current_worker = 0
         self._worker_losses: list[Tensor] = []
-        self._pending_checkpoint: Optional[dict[str, Any]] = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -116,6 +115,8 @@ class GradCompSimStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         if not self.lightning_module.automatic_optimization:
             raise ValueError("GradCompSimStrategy needs automatic optimization (`automatic_optimization = True`)")
         if trainer.accumulate_grad_batches != 1:
@@ -123,10 +124,9 @@ class GradCompSimStrategy(SingleDeviceStrategy):
                 "GradCompSimStrategy: `accumulate_grad_batches` must be 1 (allowed: 1); give each simulated "
                 "worker a larger share of the batch instead"
             )
-        for optimizer in self.optimizers:
-            self.compressor.check_optimizer(optimizer)
         self.hook_state = SimulatedExchange(self.compressor, self.workers, self.error_feedback,
                                             self.min_compress_numel, self.seed)
+        check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
         self._restore_pending()
 
     # ------------------------------------------------------------------ one step, N workers
@@ -198,31 +198,11 @@ class GradCompSimStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ checkpoint
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.hook_state is not None:
-            checkpoint[CHECKPOINT_KEY] = {
-                "version": 1, "world_size": self.workers, "compressor": type(self.compressor).__name__,
-                "ranks": self.hook_state.state_dicts(),
-            }
+            checkpoint[CHECKPOINT_KEY] = pack(self.workers, self.compressor, self.hook_state.state_dicts())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
-        if self.hook_state is not None:
-            self._restore_pending()
-        return checkpoint
-
-    def _restore_pending(self) -> None:
-        saved, self._pending_checkpoint = self._pending_checkpoint, None
-        if saved is None or self.hook_state is None:
-            return
-        if saved.get("world_size") != self.workers or saved.get("compressor") != type(self.compressor).__name__:
-            rank_zero_warn(
-                f"gradcomp: the checkpoint holds the memory of {saved.get('world_size')} workers of "
-                f"{saved.get('compressor')}, this run simulates {self.workers} of {type(self.compressor).__name__}; "
-                "the residuals are dropped and start from zero."
-            )
-            return
-        self.hook_state.load_state_dicts(saved["ranks"], self.root_device)
+    def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:
+        self.hook_state.load_state_dicts(ranks, self.root_device)
 
 
 def _part(tensor: Tensor, dim: int, parts: int, index: int) -> Tensor:

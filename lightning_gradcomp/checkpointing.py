@@ -1,0 +1,67 @@
+"""The compression state in Lightning checkpoints: one entry per worker, restored on resume.
+
+Both strategies write ``checkpoint["gradcomp"] = {"version", "world_size", "compressor", "ranks"}``,
+where ``ranks[i]`` is worker ``i``'s memory (residuals, compressor state), step and running totals. A
+real N-process run and an N-worker simulation write the same format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.stats import StepStats
+
+CHECKPOINT_KEY = "gradcomp"
+VERSION = 1
+
+
+def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint entry for the per-worker states ``ranks``."""
+    return {"version": VERSION, "world_size": world_size, "compressor": type(compressor).__name__, "ranks": ranks}
+
+
+def mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
+    """The running totals averaged over the saved workers (kept when the residuals cannot be)."""
+    totals = [StepStats.from_state_dict(rank.get("totals", {})) for rank in ranks]
+    return StepStats.from_list([sum(values) / len(totals) for values in zip(*(t.as_list() for t in totals))])
+
+
+class RestoresCompressionState:
+    """Mixin for the strategies: stash the entry when Lightning loads a checkpoint (before ``setup``),
+    apply it when ``setup`` builds the exchange state of a ``fit`` (``_restore_pending``), drop it at
+    ``teardown``.
+
+    The host class provides ``hook_state``, ``compressor``, ``compression_workers`` and
+    ``_load_worker_states(ranks)``.
+    """
+
+    _pending_checkpoint: Optional[dict[str, Any]] = None
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    def teardown(self) -> None:
+        """An entry loaded for another stage (``validate``, ``test``) never reaches a later ``fit``."""
+        self._pending_checkpoint = None
+        super().teardown()  # type: ignore[misc]
+
+    def _restore_pending(self) -> None:
+        saved, self._pending_checkpoint = self._pending_checkpoint, None
+        if saved is None or self.hook_state is None:
+            return
+        workers, name = self.compression_workers, type(self.compressor).__name__
+        if saved.get("world_size") != workers or saved.get("compressor") != name:
+            rank_zero_warn(
+                f"gradcomp: the checkpoint holds error-feedback memory of {saved.get('world_size')} workers of "
+                f"{saved.get('compressor')}, this run has {workers} of {name}; the residuals are dropped and "
+                "start from zero (the running totals are kept, averaged)."
+            )
+            self.hook_state.totals = mean_totals(saved["ranks"])
+            return
+        self._load_worker_states(saved["ranks"])
