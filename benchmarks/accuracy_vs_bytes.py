@@ -46,10 +46,11 @@ def grid() -> list[tuple[str, str, object, list]]:
 
 
 def adaptive() -> list[tuple[str, str, object, list]]:
-    schedule = AdaptiveCompression(monitor="val_acc", levels=[{"bits": 2}, {"bits": 4}, {"bits": 8}, None],
-                                   thresholds=[0.80, 0.84, 0.87], loss_delta=0.005, patience=3, escape_epochs=1)
+    schedule = AdaptiveCompression(monitor="val_acc", levels=[{"bits": 4}, {"bits": 8}, {"bits": 16}, None],
+                                   thresholds=[0.85, 0.87, 0.89], loss_delta=0.005,
+                                   patience=3, escape_epochs=1)
     return [("none", "-", NoCompression(), []), ("qsgd", "constant 8-bit", QSGD(bits=8), []),
-            ("qsgd", "adaptive 2/4/8/32-bit", QSGD(bits=2), [schedule])]
+            ("qsgd", "adaptive 4/8/16/32-bit", QSGD(bits=4), [schedule])]
 
 
 def run(compressor, callbacks: list, args: argparse.Namespace) -> dict:
@@ -112,8 +113,11 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for method, setting, result in results:
-            ax.scatter(result["bytes"] / 1e6, 100 * result["acc"], label=f"{method} {setting}")
+        markers = {"none": "*", "topk": "o", "dgc": "s", "qsgd": "^", "threshold": "D"}
+        colours = plt.get_cmap("tab20").colors
+        for index, (method, setting, result) in enumerate(results):
+            ax.scatter(result["bytes"] / 1e6, 100 * result["acc"], label=f"{method} {setting}",
+                       marker=markers.get(method, "o"), color=colours[index % len(colours)], s=50)
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per worker (log)")
         ax.set_ylabel("test accuracy (%)")

@@ -40,7 +40,7 @@ def test_a_stalled_training_loss_also_moves_to_the_next_level() -> None:
     schedule.step(0.1, train_loss=1.0)
     schedule.step(0.1, train_loss=0.8)
     message = schedule.step(0.1, train_loss=0.795)
-    assert schedule.state.level == 1 and "train_loss changed by less than 0.01" in message
+    assert schedule.state.level == 1 and "training loss changed by less than 0.01" in message
 
 
 def test_schedule_state_round_trips_through_the_checkpoint() -> None:

@@ -153,7 +153,8 @@ def test_callbacks_work_unchanged_with_the_simulation(lightning_runs) -> None:
     events = EventAccumulator(str(event_file))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("total_error", "comm_ms_est", "average_density", "compress_ms", "bytes_sent_total"):
+    for tag in ("total_error", "comm_ms_est", "average_density", "compress_ms", "bytes_sent_total",
+                "epoch_compute_s", "epoch_comm_s_est", "epoch_total_s_est"):
         assert f"gradcomp/{tag}" in tags, tag
     assert all(e.value > 0 for e in events.Scalars("gradcomp/comm_ms_est"))
 

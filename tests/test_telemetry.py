@@ -57,7 +57,8 @@ def test_monitor_rejects_bad_settings() -> None:
 
 
 TAGS = ("total_error", "step_error", "relative_error", "average_density", "density", "bytes_sent", "bytes_dense",
-        "bytes_sent_total", "bytes_dense_total", "compression_ratio", "compress_ms", "decompress_ms", "comm_ms_est")
+        "bytes_sent_total", "bytes_dense_total", "compression_ratio", "compress_ms", "decompress_ms", "comm_ms_est",
+        "epoch_compute_s", "epoch_comm_s_est", "epoch_total_s_est")
 
 
 @pytest.mark.multiprocess

@@ -100,7 +100,8 @@ class AdaptiveCompression(Callback):
         thresholds: ``len(levels) - 1`` values of ``monitor`` that move to the next level.
         mode: ``"max"`` if higher is better, ``"min"`` if lower is.
         loss_delta: also move on when the epoch's training loss changes by less than this.
-        loss_monitor: the logged training loss used with ``loss_delta``.
+        loss_monitor: a logged training loss to use with ``loss_delta``; default: the mean, over the
+            epoch, of the losses ``training_step`` returned (on rank 0, which decides).
         patience: epochs on one level before the escape (``None``: never).
         escape_epochs: epochs without compression during an escape.
     """
@@ -112,7 +113,7 @@ class AdaptiveCompression(Callback):
         thresholds: Sequence[float],
         mode: Literal["max", "min"] = "max",
         loss_delta: Optional[float] = None,
-        loss_monitor: str = "train_loss",
+        loss_monitor: Optional[str] = None,
         patience: Optional[int] = None,
         escape_epochs: int = 1,
     ) -> None:
@@ -133,6 +134,8 @@ class AdaptiveCompression(Callback):
         self.patience = None if patience is None else check_int(patience, "patience", 1)
         self.escape_epochs = check_int(escape_epochs, "escape_epochs", 1)
         self.state = ScheduleState()
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
 
     # ------------------------------------------------------------------ the schedule, without Lightning
     @property
@@ -162,7 +165,7 @@ class AdaptiveCompression(Callback):
         ):
             reason = (f"{self.monitor}={metric:.4g} passed {self.thresholds[state.level]:g}"
                       if metric is not None and self._passed(metric, self.thresholds[state.level])
-                      else f"{self.loss_monitor} changed by less than {self.loss_delta:g}")
+                      else f"{self.loss_monitor or 'training loss'} changed by less than {self.loss_delta:g}")
             state.level += 1
             state.epochs_on_level = 0
             message = f"{reason}: level {state.level} {self.levels[state.level]}"
@@ -185,10 +188,28 @@ class AdaptiveCompression(Callback):
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         apply_level(trainer, self.current_level, "AdaptiveCompression")
 
+    def on_train_epoch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._loss_sum, self._loss_count = None, 0
+
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         index = -1 if self.state.escape_left > 0 else self.state.level
         _log_level(pl_module, index, self.current_level)
+
+    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.loss_delta is not None and isinstance(loss, torch.Tensor):
+            loss = loss.detach().float()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_count += 1
+
+    def _training_loss(self, metrics: dict[str, Any]) -> Optional[float]:
+        """The epoch's training loss: a logged metric, or the mean of the losses training_step returned."""
+        if self.loss_monitor is not None:
+            value = metrics.get(self.loss_monitor)
+            return None if value is None else float(value)
+        return float(self._loss_sum) / self._loss_count if self._loss_count else None
 
     def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         # After the LightningModule's own on_validation_epoch_end, so metrics logged there count.
@@ -198,12 +219,15 @@ class AdaptiveCompression(Callback):
         if trainer.is_global_zero:  # rank 0 decides, every rank takes its state: all use the same level
             metrics = trainer.callback_metrics
             metric = metrics.get(self.monitor)
-            loss = metrics.get(self.loss_monitor) if self.loss_delta is not None else None
-            if metric is None:
-                decision = (f"AdaptiveCompression: `monitor` {self.monitor!r} was not logged; logged metrics: "
-                            f"{', '.join(sorted(metrics)) or 'none'}", None)
+            loss = self._training_loss(metrics) if self.loss_delta is not None else None
+            missing = [name for name, value in ((self.monitor, metric), (self.loss_monitor, loss))
+                       if name is not None and value is None and (name == self.monitor or self.loss_delta is not None)]
+            if missing:
+                decision = (f"AdaptiveCompression: {', '.join(repr(m) for m in missing)} not logged "
+                            f"(`monitor` / `loss_monitor`); logged metrics: {', '.join(sorted(metrics)) or 'none'}",
+                            None)
             else:
-                decision = (None, self.step(float(metric), None if loss is None else float(loss)))
+                decision = (None, self.step(float(metric), loss))
         self.state, decision = trainer.strategy.broadcast((self.state, decision), src=0)
         error, message = decision
         if error:

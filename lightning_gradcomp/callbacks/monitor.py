@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -39,6 +40,10 @@ class CompressionMonitor(Callback):
     * ``gradcomp/compress_ms`` and ``gradcomp/decompress_ms``: measured time compressing (with error
       feedback) and decoding, and ``gradcomp/comm_ms_est``: this step's collectives on ``network``.
 
+    At the end of every epoch: ``gradcomp/epoch_compute_s`` (measured; divided by the number of
+    workers in a simulation, where they run one after another, as 000 does), ``gradcomp/epoch_comm_s_est``
+    and their sum ``gradcomp/epoch_total_s_est``: compute plus communication per epoch.
+
     Every ``layer_every_n_steps`` steps (0: never) it also logs each parameter's relative error and
     density, as scalars ``gradcomp/layer/<name>/relative_error`` and ``.../density``, or as two
     TensorBoard histograms over the layers (``layer_mode="histogram"``).
@@ -69,6 +74,8 @@ class CompressionMonitor(Callback):
             raise ValueError(f"`layer_mode` must be 'scalars' or 'histogram', got {layer_mode!r}")
         self.layer_mode = layer_mode
         self._last_step = -1
+        self._epoch_comm_s = 0.0
+        self._epoch_began = 0.0
 
     def _interval(self, trainer: "L.Trainer") -> int:
         return trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
@@ -83,6 +90,23 @@ class CompressionMonitor(Callback):
         trainer.strategy.hook_state.telemetry = self._interval(trainer) > 0 or self.layer_every_n_steps > 0
         self._last_step = trainer.global_step
 
+    def on_train_epoch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._epoch_comm_s = 0.0
+        self._epoch_began = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        """Per epoch: measured compute time (per worker in a simulation, as 000 counts it) and the
+        estimated communication time, so compressors compare on compute + communication."""
+        if self._interval(trainer) <= 0:
+            return
+        workers = getattr(trainer.strategy, "compression_workers", trainer.world_size)
+        simulated = workers != trainer.world_size
+        compute = (time.perf_counter() - self._epoch_began) / (workers if simulated else 1)
+        metrics = {f"{PREFIX}epoch_compute_s": compute, f"{PREFIX}epoch_comm_s_est": self._epoch_comm_s,
+                   f"{PREFIX}epoch_total_s_est": compute + self._epoch_comm_s}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         every = self.layer_every_n_steps
@@ -95,14 +119,15 @@ class CompressionMonitor(Callback):
             return
         self._last_step = step
         stats: StepStats = trainer.strategy.step_stats
+        workers = getattr(trainer.strategy, "compression_workers", trainer.world_size)
+        comm_s = self.network.step_time(stats.collectives, workers)  # the same collectives on every rank
+        self._epoch_comm_s += comm_s
         interval = self._interval(trainer)
         log_now = interval > 0 and step % interval == 0
         layer_names = sorted(stats.layers) if stats.layers else []
         if not log_now and not layer_names:
             return
-        workers = getattr(trainer.strategy, "compression_workers", trainer.world_size)
-        values = stats.as_list() + trainer.strategy.hook_state.totals.as_list()
-        values.append(self.network.step_time(stats.collectives, workers))
+        values = stats.as_list() + trainer.strategy.hook_state.totals.as_list() + [comm_s]
         for name in layer_names:
             layer = stats.layers[name]
             values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel]

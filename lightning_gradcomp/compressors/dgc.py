@@ -111,33 +111,46 @@ class DGC(HasDensity, _ValuesAndIndices):
                 )
 
     # ------------------------------------------------------------------ the algorithm
-    def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, Tensor]:
-        """Clip, then ``u <- m u + g``; returns ``(u, the increment of v)``."""
+    def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, bool]:
+        """Clip, then ``u <- m u + g``. Returns the increment of ``v`` and whether the state may be
+        updated in place (a finite gradient on CPU: nothing can turn the state non-finite, and in-place
+        updates spare several allocations of the tensor's size)."""
         grad = grad.float() if grad.dtype != torch.float32 and grad.dtype != torch.float64 else grad
         if self.clip_norm is not None:
             limit = self.clip_norm * (ctx.world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
             norm = torch.linalg.vector_norm(grad)
             grad = grad * torch.clamp(limit / (norm + 1e-12), max=1.0)
+        in_place = grad.device.type == "cpu" and bool(torch.isfinite(grad).all())
         previous = ctx.state.get(MOMENTUM)
-        momentum = grad.clone() if previous is None else previous * self.momentum + grad
-        ctx.state[MOMENTUM] = keep_finite(momentum, previous)
+        if previous is None or previous.shape != grad.shape:
+            momentum = keep_finite(grad.clone(), None)
+        elif in_place:
+            momentum = previous.mul_(self.momentum).add_(grad)
+        else:
+            momentum = keep_finite(previous * self.momentum + grad, previous)
+        ctx.state[MOMENTUM] = momentum
         increment = grad + self.momentum * momentum if self.nesterov else momentum
-        return momentum, increment
+        return increment, in_place
 
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """Tensors sent dense still receive momentum: momentum SGD, nothing delayed."""
-        return self._momentum_update(tensor, ctx)[1].to(tensor.dtype)
+        return self._momentum_update(tensor, ctx)[0].to(tensor.dtype, copy=True)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
-        _, increment = self._momentum_update(tensor, ctx)
+        increment, in_place = self._momentum_update(tensor, ctx)
         previous_velocity = ctx.state.get(VELOCITY)
         if k == numel:  # density 1: momentum SGD, nothing delayed, no masking; a velocity left over is sent too
             sent = increment if previous_velocity is None else increment + previous_velocity
             ctx.state.pop(VELOCITY, None)
-            return Payload((sent.to(tensor.dtype), increment.new_empty(0, dtype=torch.int32)), numel, numel)
-        velocity = increment if previous_velocity is None else previous_velocity + increment
+            return Payload((sent.to(tensor.dtype, copy=True), increment.new_empty(0, dtype=torch.int32)), numel, numel)
+        if previous_velocity is None or previous_velocity.shape != increment.shape:
+            velocity = increment.clone()
+        elif in_place:
+            velocity = previous_velocity.add_(increment)
+        else:
+            velocity = previous_velocity + increment
         magnitude = velocity.abs()
         if self.selection == "exact":
             indices = exact_topk(magnitude, k)
@@ -152,8 +165,9 @@ class DGC(HasDensity, _ValuesAndIndices):
             indices = torch.cat([indices, pad_index.expand(missing)])
             values = torch.cat([values, values.new_zeros(missing)])
         payload = Payload((values.to(tensor.dtype), indices.to(torch.int32)), numel, k)
-        ctx.state[VELOCITY] = keep_finite(velocity.index_fill(0, selected, 0.0), previous_velocity)
-        ctx.state[MOMENTUM] = ctx.state[MOMENTUM].index_fill(0, selected, 0.0)
+        velocity.index_fill_(0, selected, 0.0)  # momentum-factor masking; velocity is this step's own tensor
+        ctx.state[VELOCITY] = velocity if in_place else keep_finite(velocity, previous_velocity)
+        ctx.state[MOMENTUM].index_fill_(0, selected, 0.0)
         return payload
 
     def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
