@@ -1,8 +1,8 @@
 """Sparsifiers: send some coordinates, as values and indices.
 
 Wire format of a sparse payload: ``values`` in the gradient's dtype and ``indices`` as int32 (a single
-tensor of 2**31 elements or more is refused by the hook), so an fp32 gradient at density ``k/d`` costs ``8k`` bytes instead of ``4d``:
-density 0.01 is a 50x ratio, 0.001 a 500x ratio (DESIGN §2; 000 §3.1.1).
+tensor of 2**31 elements or more is refused by the hook), so an fp32 gradient at density ``k/d`` costs
+``8k`` bytes instead of ``4d``: density 0.01 is a 50x ratio, 0.001 a 500x ratio (DESIGN §2; 000 §3.1.1).
 """
 
 from __future__ import annotations
