@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gradcomp.compressors import FP16, QSGD, CompressContext, HardThreshold, NoCompression, RandomK, TopK
+from lightning_gradcomp.compressors import BF16, DGC, FP16, QSGD, CompressContext, HardThreshold, NoCompression, RandomK, TopK
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 
 
@@ -93,6 +93,8 @@ def check_counted_bytes_and_averages(rank: int, world_size: int) -> None:
         (QSGD(levels=8, bucket_size=128), False, 1e-6),
         (NoCompression(), False, 0.0),
         (FP16(), False, 2e-3),
+        (BF16(), False, 2e-2),
+        (DGC(density=0.01, momentum=0.9), False, 1e-6),
     ]
     for compressor, uneven, tolerance in cases:
         state = GradCompHookState(compressor, names, error_feedback=False, min_compress_numel=1024)
@@ -102,6 +104,8 @@ def check_counted_bytes_and_averages(rank: int, world_size: int) -> None:
         stats = state.take_step_stats()
         assert stats.bytes_sent == spy.bytes == state.transport.bytes_sent, (compressor, stats, spy.calls)
         assert stats.bytes_dense == sum(g.numel() for g in grads) * 4
+        if not isinstance(compressor, NoCompression):
+            assert stats.bytes_sent < stats.bytes_dense, (compressor, stats)
 
         expected = []
         for g_index, shape in enumerate(shapes):
