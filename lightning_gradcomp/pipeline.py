@@ -13,9 +13,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, squared_norm
 from lightning_gradcomp.memory import CompressionMemory
-from lightning_gradcomp.telemetry import StepRecorder, squared_norm
+from lightning_gradcomp.telemetry import StepRecorder
 
 MAX_NUMEL = 2**31 - 1
 

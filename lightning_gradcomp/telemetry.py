@@ -79,6 +79,3 @@ class StepRecorder:
                 layer.numel += numel
 
 
-def squared_norm(tensor: Tensor) -> Tensor:
-    """``‖tensor‖²`` as a 0-d float64 tensor on the tensor's device (one pass, no copy)."""
-    return torch.linalg.vector_norm(tensor).double() ** 2

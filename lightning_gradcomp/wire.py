@@ -9,14 +9,13 @@ parts and, for data-dependent counts, the counts themselves crosses the wire.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Compressor, itemsize
 
 ALIGNMENT = 8
 
@@ -31,12 +30,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return self.numel * itemsize(self.dtype)
 
 
 def _align(offset: int, to: int) -> int:
@@ -53,7 +47,7 @@ def layout(
     for numel, count in shapes:
         payload_slots = []
         for dtype, part_numel in zip(dtypes, compressor.payload_numels(numel, count)):
-            offset = _align(offset, _itemsize(dtype))
+            offset = _align(offset, itemsize(dtype))
             payload_slots.append(Slot(offset, dtype, part_numel))
             offset += payload_slots[-1].nbytes
         slots.append(payload_slots)

@@ -17,6 +17,7 @@ Compressors hold only hyper-parameters. Per-parameter state (DGC momenta) lives 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from abc import ABC, abstractmethod
@@ -128,7 +129,7 @@ class Compressor(ABC):
         generic error feedback; under error feedback the hook measures the residual itself)."""
         error = tensor.clone()
         self.accumulate(payload, error, alpha=-1.0)
-        return _squared_norm(error), _squared_norm(tensor)
+        return squared_norm(error), squared_norm(tensor)
 
     @abstractmethod
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
@@ -151,7 +152,7 @@ class Compressor(ABC):
         """Bytes of the payload parts (without alignment padding)."""
         sizes = self.payload_numels(numel, count)
         dtypes = self.part_dtypes(dtype)
-        return sum(n * _itemsize(d) for n, d in zip(sizes, dtypes))
+        return sum(n * itemsize(d) for n, d in zip(sizes, dtypes))
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
@@ -162,11 +163,14 @@ class Compressor(ABC):
         return {}
 
 
-def _squared_norm(tensor: Tensor) -> Tensor:
+def squared_norm(tensor: Tensor) -> Tensor:
+    """``‖tensor‖²`` as a 0-d float64 tensor on the tensor's device (one pass, no copy)."""
     return torch.linalg.vector_norm(tensor).double() ** 2
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+@functools.lru_cache(maxsize=None)
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, keep_finite, sparse_count
+from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, keep_finite, sparse_count, squared_norm
 from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
 
@@ -173,11 +173,11 @@ class DGC(HasDensity, _ValuesAndIndices):
     def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖v_{t+1}‖², ‖v_t‖²)``: the velocity carried forward is DGC's compression error, and the
         velocity before masking is what was compressed (``‖v_t‖² = ‖v_{t+1}‖² + ‖sent‖²``)."""
-        sent = torch.linalg.vector_norm(payload.parts[0]).double() ** 2
+        sent = squared_norm(payload.parts[0])
         velocity = ctx.state.get(VELOCITY)
         if velocity is None or payload.parts[1].numel() == 0:  # density 1: nothing delayed
             return torch.zeros((), dtype=torch.float64, device=sent.device), sent
-        error = torch.linalg.vector_norm(velocity).double() ** 2
+        error = squared_norm(velocity)
         return error, error + sent
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
