@@ -17,12 +17,12 @@ gradient scaler, or visible in the loss, but the memory stays usable).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Payload, keep_finite
+from lightning_gradcomp.compressors.base import keep_finite
 
 
 class CompressionMemory:
@@ -39,13 +39,14 @@ class CompressionMemory:
             return grad.clone()
         return grad + residual
 
-    def update(self, name: str, corrected: Tensor, payload: Payload, compressor: Compressor) -> Tensor:
+    def update(self, name: str, corrected: Tensor, subtract: Callable[[Tensor], None]) -> Tensor:
         """Store ``e = p - C(p)``, keeping the previous value wherever the new one is not finite.
 
-        ``corrected`` (``p``) is consumed: the residual is computed in its storage. Returns the residual.
+        ``corrected`` (``p``) is consumed: ``subtract`` (``p -= C(p)``, the exchange's
+        :class:`~lightning_gradcomp.exchange.protocol.Outcome`) runs in its storage. Returns the residual.
         """
         residual = corrected
-        compressor.accumulate(payload, residual, alpha=-1.0)
+        subtract(residual)
         residual = keep_finite(residual, self.residuals.get(name))
         self.residuals[name] = residual
         return residual

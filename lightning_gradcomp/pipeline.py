@@ -1,32 +1,24 @@
-"""One worker's side of compression: error feedback, compressor state, and what telemetry measures.
+"""One worker's side of an exchange: error feedback, compressor state, and what telemetry measures.
 
-The DDP hook runs one :class:`WorkerPipeline` (its own rank); the single-device simulation runs one per
-simulated worker. Both then hand the payloads to a transport (real collectives) or aggregate them
-directly (simulation).
+Every worker (the DDP hook's own rank, or each simulated worker) has one :class:`WorkerPipeline`.
+The engine (:mod:`lightning_gradcomp.exchange.engine`) asks it for one protocol per tensor
+(:meth:`WorkerPipeline.protocol`): the compressor's protocol wrapped in error feedback, telemetry and
+the write of the aggregated result.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Generator, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, squared_norm
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, squared_norm
+from lightning_gradcomp.exchange.protocol import Mean, Outcome, Round
 from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.telemetry import StepRecorder
 
 MAX_NUMEL = 2**31 - 1
-
-
-@dataclass
-class Compressed:
-    """A compressed gradient on its way: the payload, and ``p = g + e`` until the memory is updated."""
-
-    name: str
-    payload: Payload
-    corrected: Optional[Tensor]
 
 
 def resolve_error_feedback(compressor: Compressor, error_feedback: Optional[bool]) -> bool:
@@ -75,35 +67,46 @@ class WorkerPipeline:
         self.recorder = recorder if recorder is not None else StepRecorder()
         self.telemetry = False
 
-    def context(self, name: str, step: int, rank: int, world_size: int, seed: int) -> CompressContext:
-        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name))
+    def context(self, name: str, shape: tuple[int, ...], step: int, rank: int, world_size: int,
+                seed: int) -> CompressContext:
+        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape))
 
-    def dense(self, view: Tensor, ctx: CompressContext) -> Tensor:
-        """The tensor to send for a parameter below the size threshold (DGC adds its momentum)."""
+    def dense_protocol(self, view: Tensor, ctx: CompressContext,
+                       out: Optional[Tensor]) -> Generator[Round, list, int]:
+        """A parameter below the size threshold: averaged uncompressed (DGC adds its momentum first)."""
         sent = self.compressor.dense(view, ctx)
         if self.telemetry:
             zero = torch.zeros((), dtype=torch.float64, device=view.device)
             self.recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel())
-        return sent
+        (mean,) = yield Round([Mean(sent)], last=True)
+        if out is not None:
+            out.copy_(mean)
+        return view.numel()
 
-    def compress(self, view: Tensor, ctx: CompressContext) -> Compressed:
-        """``C(g + e)``; the memory is updated later, by :meth:`remember`, once the payload is sent."""
+    def protocol(self, view: Tensor, ctx: CompressContext, out: Optional[Tensor]) -> Generator[Round, list, int]:
+        """``C(g + e)`` exchanged by the compressor's protocol, then error feedback
+        ``e_{t+1} = p_t − C(p_t)``, telemetry, and the aggregate written to ``out`` (``None``: not
+        wanted, e.g. by simulated workers other than the first). Returns the coordinates sent.
+
+        ``out`` may be ``view`` itself (the DDP bucket): it is written last, once nothing needs ``p``.
+        """
         if view.numel() > MAX_NUMEL:
             raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
         corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
         tensor = view if corrected is None else corrected
-        payload = self.compressor.compress(tensor, ctx)
-        if self.telemetry and corrected is None:
-            error_sq, input_sq = self.compressor.compression_error(tensor, payload, ctx)
-            self.recorder.add(ctx.name, error_sq, input_sq, payload.count, payload.numel)
-        return Compressed(ctx.name, payload, corrected)
+        outcome: Outcome = yield from self.compressor.exchange(tensor, ctx)
+        if corrected is not None:
+            self._remember(ctx.name, corrected, outcome)
+        elif self.telemetry:
+            error_sq, input_sq = self.compressor.compression_error(tensor, outcome, ctx)
+            self.recorder.add(ctx.name, error_sq, input_sq, outcome.count, view.numel())
+        if out is not None:
+            outcome.write(out)
+        return outcome.count
 
-    def remember(self, item: Compressed) -> None:
-        """Error feedback: ``e_{t+1} = p_t − C(p_t)`` (consumes ``item.corrected``)."""
-        if item.corrected is None:
-            return
-        input_sq = squared_norm(item.corrected) if self.telemetry else None
-        residual = self.memory.update(item.name, item.corrected, item.payload, self.compressor)
+    def _remember(self, name: str, corrected: Tensor, outcome: Outcome) -> None:
+        """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""
+        input_sq = squared_norm(corrected) if self.telemetry else None
+        residual = self.memory.update(name, corrected, outcome.subtract)
         if input_sq is not None:
-            self.recorder.add(item.name, squared_norm(residual), input_sq, item.payload.count, item.payload.numel)
-        item.corrected = None
+            self.recorder.add(name, squared_norm(residual), input_sq, outcome.count, corrected.numel())

@@ -55,10 +55,10 @@ def test_randomk_indices_are_unique_shared_and_fresh_each_step() -> None:
     assert a.meta.unique().numel() == a.meta.numel() == 500
     assert torch.equal(a.meta, b.meta), "shared indices are identical on every rank"
     assert not torch.equal(a.meta, c.meta), "indices change from step to step"
-    assert compressor.summable and len(a.parts) == 1
+    assert compressor.all_reducible and len(a.parts) == 1
     own = RandomK(density=0.1, shared_indices=False)
     d, e = own.compress(x, ctx(step=3, rank=0)), own.compress(x, ctx(step=3, rank=1))
-    assert not own.summable and not torch.equal(d.parts[1], e.parts[1])
+    assert not own.all_reducible and not torch.equal(d.parts[1], e.parts[1])
     assert d.parts[1].unique().numel() == 500
 
 

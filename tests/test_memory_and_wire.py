@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp import wire
+from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.compressors import QSGD, CompressContext, HardThreshold, RandomK, TopK
 from lightning_gradcomp.memory import CompressionMemory
+
+
+def _subtract(compressor, payload):
+    return lambda residual: compressor.accumulate(payload, residual, alpha=-1.0)
 
 
 @pytest.mark.parametrize("compressor", [TopK(0.05), RandomK(0.05), RandomK(0.05, False), HardThreshold(0.8)])
@@ -22,7 +26,7 @@ def test_error_feedback_invariant_is_exact_for_sparsifiers(compressor) -> None:
         payload = compressor.compress(corrected, CompressContext("w", step=step))
         sent = compressor.decompress(payload)
         p = corrected.clone()
-        residual = memory.update("w", corrected, payload, compressor)
+        residual = memory.update("w", corrected, _subtract(compressor, payload))
         assert torch.equal(sent + residual, p), "C(p) + e_{t+1} == p must hold bit for bit"
         assert torch.all(residual[sent != 0] == 0)
 
@@ -33,24 +37,24 @@ def test_error_feedback_invariant_for_a_quantiser_up_to_rounding() -> None:
         corrected = memory.compensate("w", torch.randn(1000))
         p = corrected.clone()
         payload = compressor.compress(corrected, CompressContext("w", step=step))
-        residual = memory.update("w", corrected, payload, compressor)
+        residual = memory.update("w", corrected, _subtract(compressor, payload))
         torch.testing.assert_close(compressor.decompress(payload) + residual, p)
 
 
 def test_non_finite_gradients_do_not_poison_the_residual() -> None:
     memory, compressor = CompressionMemory(), TopK(0.1)
     grad = torch.randn(100)
-    memory.update("w", memory.compensate("w", grad), compressor.compress(grad, CompressContext("w")), compressor)
+    memory.update("w", memory.compensate("w", grad), _subtract(compressor, compressor.compress(grad, CompressContext("w"))))
     before = memory.residuals["w"].clone()
     bad = torch.randn(100)
     bad[3], bad[50] = float("nan"), float("inf")
     corrected = memory.compensate("w", bad)
-    memory.update("w", corrected, compressor.compress(corrected, CompressContext("w", step=1)), compressor)
+    memory.update("w", corrected, _subtract(compressor, compressor.compress(corrected, CompressContext("w", step=1))))
     after = memory.residuals["w"]
     assert torch.isfinite(after).all()
     assert after[3] == before[3] and after[50] == before[50]
     fresh = CompressionMemory()
-    fresh.update("v", bad.clone(), compressor.compress(bad, CompressContext("v")), compressor)
+    fresh.update("v", bad.clone(), _subtract(compressor, compressor.compress(bad, CompressContext("v"))))
     assert torch.isfinite(fresh.residuals["v"]).all()
 
 
@@ -67,7 +71,8 @@ def test_memory_state_dict_roundtrip() -> None:
 def test_wire_layout_aligns_parts_and_roundtrips_mixed_dtypes() -> None:
     compressor = TopK(0.01)
     shapes = [(1000, 10), (333, 3), (5000, 50)]
-    slots, total = wire.layout(compressor, shapes, torch.float64)
+    slots, total = wire.layout([list(zip(compressor.part_dtypes(torch.float64), compressor.payload_numels(*shape)))
+                                for shape in shapes])
     assert total % wire.ALIGNMENT == 0
     for payload_slots in slots:
         for slot in payload_slots:
@@ -85,6 +90,6 @@ def test_wire_layout_with_qsgd_bytes_and_float_norms() -> None:
     compressor = QSGD(levels=16, bucket_size=512)
     x = torch.randn(777)
     payload = compressor.compress(x, CompressContext("w"))
-    slots, total = wire.layout(compressor, [(777, 777)], torch.float32)
+    slots, total = wire.layout([[(part.dtype, part.numel()) for part in payload.parts]])
     decoded = wire.deserialize(wire.serialize([payload.parts], slots, total, torch.device("cpu")), slots)[0]
     assert all(torch.equal(a, b) for a, b in zip(payload.parts, decoded))

@@ -125,15 +125,15 @@ def test_simulation_is_reachable_by_name_and_from_the_strategy() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("compressor", ["topk", "none"])
+@pytest.mark.parametrize("compressor", ["topk", "none", "powersgd"])
 def test_simulated_run_equals_a_real_two_process_run(lightning_runs, compressor: str) -> None:
     real, _ = lightning_runs(f"real3_{compressor}", "--compressor", compressor, "--epochs", "3")
     simulated, _ = lightning_runs(f"sim3_{compressor}", "--compressor", compressor, "--epochs", "3", "--simulate", "2")
     assert simulated[0]["global_step"] == real[0]["global_step"] == 3 * STEPS_PER_EPOCH
     for key, value in real[0]["params"].items():
         torch.testing.assert_close(simulated[0]["params"][key], value, rtol=1e-5, atol=1e-6)
-    assert simulated[0]["totals"]["bytes_sent"] == pytest.approx(real[0]["totals"]["bytes_sent"], rel=0.01)
-    if compressor == "topk":
+    assert simulated[0]["totals"]["bytes_sent"] == real[0]["totals"]["bytes_sent"], "one engine: the same bytes"
+    if compressor != "none":
         real_norms = sorted(r["residual_norm"] for r in real)
         assert sorted(simulated[0]["residual_norms"]) == pytest.approx(real_norms, rel=1e-3)
 

@@ -9,6 +9,7 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import BF16, FP16, NoCompression
+from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.sparse import HardThreshold, RandomK, TopK
 
@@ -22,6 +23,7 @@ __all__ = [
     "HardThreshold",
     "NoCompression",
     "Payload",
+    "PowerSGD",
     "QSGD",
     "RandomK",
     "TopK",

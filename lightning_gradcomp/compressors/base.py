@@ -1,18 +1,30 @@
 """The one interface every compressor implements.
 
-A compressor turns one flat gradient tensor into a :class:`Payload`: a few 1-D tensors that cross the
-wire (values, indices, packed codes, norms...). It declares
+A compressor's exchange of one tensor is a short protocol of rounds (:meth:`Compressor.exchange`, see
+:mod:`lightning_gradcomp.exchange.protocol`): it yields the requests of each round (an average over
+workers, a gather of every worker's parts), receives their results, and returns what was sent and how
+to write the aggregate. The engine runs the protocols of all tensors of a DDP bucket in lock-step and
+merges their requests into one collective per kind and round; the real driver (the DDP hook) and the
+simulation of N workers run the same engine.
 
-* how payloads are aggregated (:attr:`Compressor.summable`): a *summable* payload is linear in its input,
-  so the payloads of all workers are summed by ``all_reduce`` and decoded once; any other payload is
-  ``all_gather``-ed and every rank decodes every worker's payload;
-* whether it is biased (:attr:`Compressor.biased`), which switches error feedback on by default;
-* the size of its payload (:meth:`Compressor.payload_numels`), as a function of the number of
-  coordinates it represents, and whether that number is known in advance (:meth:`Compressor.static_count`).
+Most compressors need one round, and only implement
 
-Compressors hold only hyper-parameters. Per-parameter state (DGC momenta) lives in
-:class:`~lightning_gradcomp.memory.CompressionMemory` and reaches the compressor through
-:class:`CompressContext`, so the same object serves every parameter, every worker and the simulator.
+* :meth:`Compressor.compress` (one flat tensor -> :class:`Payload`, a few 1-D tensors) and
+  :meth:`Compressor.accumulate` (``out += alpha * decompress(payload)``);
+* the wire format: :meth:`Compressor.part_dtypes`, :meth:`Compressor.payload_numels` and
+  :meth:`Compressor.static_count` (checked against every payload: a wrong declaration is an error);
+* :attr:`Compressor.all_reducible`: payloads that can be summed element-wise by ``all_reduce``
+  (casts, shared-index Random-k) are averaged and decoded once; all others are ``all_gather``-ed and
+  every worker's payload is decoded;
+* optionally :meth:`Compressor.finalize`, a step after aggregation (a majority vote).
+
+A multi-round method (PowerSGD) overrides :meth:`Compressor.exchange` and
+:meth:`Compressor.wire_format`. See ``docs/adding-a-compressor.md``.
+
+Compressors hold only hyper-parameters. Per-parameter state (DGC momenta, PowerSGD's warm-started
+``Q``) lives in :class:`~lightning_gradcomp.memory.CompressionMemory` and reaches the compressor through
+:class:`CompressContext`, so the same object serves every parameter, every worker and the simulator,
+and the state is checkpointed.
 """
 
 from __future__ import annotations
@@ -20,12 +32,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from functools import partial
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_gradcomp.exchange.protocol import Gather, Mean, Outcome, Protocol, Round
 
 #: name -> compressor class, filled by :meth:`Compressor.__init_subclass__`.
 COMPRESSORS: dict[str, type["Compressor"]] = {}
@@ -40,7 +55,7 @@ class Payload:
         numel: number of elements of the tensor that was compressed.
         count: number of coordinates the payload represents (``k`` for a sparsifier, ``numel`` for a
             quantiser); the density of this step is ``count / numel``.
-        meta: local information the decoder of a *summable* payload needs (e.g. the shared Random-k
+        meta: local information the decoder of an all-reducible payload needs (e.g. the shared Random-k
             indices). It never crosses the wire.
     """
 
@@ -61,6 +76,7 @@ class CompressContext:
         world_size: number of workers ``N``.
         seed: base seed, identical on every rank.
         state: persistent per-parameter, per-worker state owned by the compressor (checkpointed).
+        shape: the parameter's shape (the tensor handed to the compressor is flat); ``()`` if unknown.
     """
 
     name: str
@@ -69,6 +85,7 @@ class CompressContext:
     world_size: int = 1
     seed: int = 0
     state: dict[str, Tensor] = field(default_factory=dict)
+    shape: tuple[int, ...] = ()
 
     def generator(self, device: torch.device, *, per_rank: bool) -> torch.Generator:
         """A fresh generator seeded from ``(seed, step, name[, rank])``; the global RNG is never touched.
@@ -97,23 +114,37 @@ class Compressor(ABC):
             COMPRESSORS[cls.name] = cls
 
     @property
-    def summable(self) -> bool:
-        """Whether payloads are linear in the input, so that ``all_reduce`` may sum them."""
+    def all_reducible(self) -> bool:
+        """Whether payloads of different workers can be summed element-wise by ``all_reduce`` (their parts
+        are linear in the input and share their layout, e.g. casts or shared-index Random-k): they are
+        then averaged and decoded once. Otherwise they are gathered and each worker's is decoded."""
         return False
 
-    @abstractmethod
+    # ------------------------------------------------------------------ the wire format
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         """Dtypes of the payload parts for a gradient of ``dtype``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement part_dtypes (or override exchange)")
 
-    @abstractmethod
     def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
         """Element counts of the payload parts for a tensor of ``numel`` elements carrying ``count``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement payload_numels (or override exchange)")
 
     def static_count(self, numel: int) -> Optional[int]:
         """The coordinate count of every payload for a tensor of ``numel`` elements, or ``None`` when it
-        depends on the data (then the transport exchanges counts before gathering)."""
+        depends on the data (then counts are exchanged before gathering). Checked against every payload."""
         return numel
 
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None
+                    ) -> list[list[tuple[torch.dtype, int]]]:
+        """Per round, ``(dtype, numel)`` of every tensor this worker hands over for one parameter of
+        ``shape``, when its payload carries ``count`` coordinates (default: the static count).
+
+        The conformance suite checks it against what the drivers are handed."""
+        numel = math.prod(shape)
+        count = self.static_count(numel) if count is None else count
+        return [list(zip(self.part_dtypes(dtype), self.payload_numels(numel, count)))]
+
+    # ------------------------------------------------------------------ hooks around the exchange
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """The tensor to all-reduce for a parameter sent dense (below the strategy's size threshold).
 
@@ -124,21 +155,26 @@ class Compressor(ABC):
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training)."""
 
-    def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
-        """``(‖p − C(p)‖², ‖p‖²)`` for the tensor just compressed (telemetry of compressors without the
-        generic error feedback; under error feedback the hook measures the residual itself)."""
+    def finalize(self, out: Tensor, ctx: CompressContext) -> None:
+        """A step after aggregation, in place on the averaged result ``out`` (a majority vote takes its
+        sign); nothing by default."""
+
+    def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+        """``(‖p − C(p)‖², ‖p‖²)`` for the tensor just exchanged (telemetry of compressors without the
+        generic error feedback; under error feedback the pipeline measures the residual itself)."""
         error = tensor.clone()
-        self.accumulate(payload, error, alpha=-1.0)
+        outcome.subtract(error)
         return squared_norm(error), squared_norm(tensor)
 
-    @abstractmethod
+    # ------------------------------------------------------------------ one-round methods
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         """Compress a flat tensor. Must not modify ``tensor``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compress (or override exchange)")
 
-    @abstractmethod
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         """``out += alpha * decompress(payload)``, in place, without materialising a dense copy where
         the format allows (sparse formats scatter-add)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement accumulate (or override exchange)")
 
     def decompress(self, payload: Payload, dtype: torch.dtype = torch.float32,
                    device: Optional[torch.device] = None) -> Tensor:
@@ -147,6 +183,55 @@ class Compressor(ABC):
         out = torch.zeros(payload.numel, dtype=dtype, device=device)
         self.accumulate(payload, out)
         return out
+
+    def check_payload(self, payload: Payload, dtype: torch.dtype, name: str = "") -> None:
+        """Raise if ``payload`` is not what :meth:`static_count`, :meth:`part_dtypes` and
+        :meth:`payload_numels` declare: every worker must be able to read every other's payload."""
+        where = f" for parameter {name!r}" if name else ""
+        static = self.static_count(payload.numel)
+        if static is not None and payload.count != static:
+            raise ValueError(
+                f"{type(self).__name__}.compress returned {payload.count} coordinates{where} of {payload.numel}, "
+                f"but static_count({payload.numel}) declares {static}; return None from static_count when the "
+                "count depends on the data"
+            )
+        declared = list(zip(self.part_dtypes(dtype), self.payload_numels(payload.numel, payload.count)))
+        actual = [(part.dtype, part.numel()) for part in payload.parts]
+        if declared != actual:
+            raise ValueError(
+                f"{type(self).__name__}.compress returned parts {actual}{where}, but part_dtypes/payload_numels "
+                f"declare {declared}"
+            )
+
+    def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
+        """The protocol of one tensor (a generator; see :mod:`lightning_gradcomp.exchange.protocol`).
+
+        Default, one round: ``compress``; all-reducible parts are averaged and decoded once, other
+        payloads are gathered and every worker's is decoded with weight ``1/N``; then :meth:`finalize`.
+        ``subtract`` removes this worker's own decoded payload (error feedback ``e = p − C(p)``).
+        """
+        payload = self.compress(tensor, ctx)
+        self.check_payload(payload, tensor.dtype, ctx.name)
+        if self.all_reducible:
+            means = yield Round([Mean(part) for part in payload.parts], last=True)
+            received = [Payload(tuple(means), payload.numel, payload.count, payload.meta)]
+            weight = 1.0
+        else:
+            dynamic = self.static_count(payload.numel) is None
+            request = Gather(payload.parts, payload.count if dynamic else None,
+                             partial(self.payload_numels, payload.numel) if dynamic else None)
+            (rows,) = yield Round([request], last=True)
+            received = [Payload(row.parts, payload.numel, payload.count if row.count is None else row.count)
+                        for row in rows]
+            weight = 1.0 / len(rows)
+
+        def write(out: Tensor) -> None:
+            out.zero_()
+            for item in received:
+                self.accumulate(item, out, alpha=weight)
+            self.finalize(out, ctx)
+
+        return Outcome(payload.count, partial(self.accumulate, payload, alpha=-1.0), write, payload)
 
     def payload_nbytes(self, numel: int, count: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of the payload parts (without alignment padding)."""

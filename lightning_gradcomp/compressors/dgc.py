@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, keep_finite, sparse_count, squared_norm
+from lightning_gradcomp.exchange.protocol import Outcome
 from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
 
@@ -170,9 +171,10 @@ class DGC(HasDensity, _ValuesAndIndices):
         ctx.state[MOMENTUM].index_fill_(0, selected, 0.0)
         return payload
 
-    def compression_error(self, tensor: Tensor, payload: Payload, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+    def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖v_{t+1}‖², ‖v_t‖²)``: the velocity carried forward is DGC's compression error, and the
         velocity before masking is what was compressed (``‖v_t‖² = ‖v_{t+1}‖² + ‖sent‖²``)."""
+        payload: Payload = outcome.payload
         sent = squared_norm(payload.parts[0])
         velocity = ctx.state.get(VELOCITY)
         if velocity is None or payload.parts[1].numel() == 0:  # density 1: nothing delayed

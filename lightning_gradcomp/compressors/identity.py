@@ -1,7 +1,7 @@
 """Dense formats: no compression, and casts to 16-bit floats.
 
-``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are summable: like PyTorch's
-``fp16_compress_hook`` the transport divides by the world size before the 16-bit all-reduce, so the
+``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are all-reducible: like PyTorch's
+``fp16_compress_hook`` the engine divides by the world size before the 16-bit all-reduce, so the
 sum stays within range whenever each worker's value does; a gradient element beyond fp16's ±65504
 still overflows in the cast (prefer ``BF16``, with fp32's range, for such models).
 """
@@ -21,7 +21,7 @@ class NoCompression(Compressor):
     biased = False
 
     @property
-    def summable(self) -> bool:
+    def all_reducible(self) -> bool:
         return True
 
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -44,7 +44,7 @@ class _Cast(Compressor):
     wire_dtype: torch.dtype = torch.float16
 
     @property
-    def summable(self) -> bool:
+    def all_reducible(self) -> bool:
         return True
 
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:

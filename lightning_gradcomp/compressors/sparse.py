@@ -103,7 +103,7 @@ class RandomK(HasDensity, _ValuesAndIndices):
         return {"density": self.density, "shared_indices": self.shared_indices}
 
     @property
-    def summable(self) -> bool:
+    def all_reducible(self) -> bool:
         return self.shared_indices
 
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -1,33 +1,34 @@
-"""N workers' compressed exchange on one device: the simulation's counterpart of the DDP hook."""
+"""N workers' compressed exchange on one device: the exchange engine driven in process."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
+from lightning_gradcomp.exchange.drivers import InProcessDriver
+from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
 from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback
 from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.telemetry import Stopwatch, StepRecorder
+from lightning_gradcomp.telemetry import StepRecorder
 
 
 class SimulatedExchange:
-    """Compress each simulated worker's gradients with its own memory and average the decoded results.
+    """Each simulated worker's exchange, run by the same engine as the DDP hook, in lock-step.
 
-    Per step: :meth:`add_worker` once per worker (in worker order), then :meth:`finish_step`. The
-    aggregate equals what the DDP hook computes across real processes: small tensors and summable
-    payloads are averaged, gathered payloads are decoded worker by worker with weight ``1/N``.
+    Per step: :meth:`add_worker` once per worker (in worker order), then :meth:`finish_step`. The whole
+    model is one bucket. Each worker has its own :class:`~lightning_gradcomp.pipeline.WorkerPipeline`
+    (residuals, compressor state); the :class:`~lightning_gradcomp.exchange.drivers.InProcessDriver`
+    combines their collectives, and worker 0 writes the aggregate, which equals what every rank of a
+    real run computes.
 
-    Bytes are those each worker would hand to ``torch.distributed`` in one bucket holding the whole
-    model: one all-reduce per dtype for dense tensors and summable payloads, one all-gather of the
-    packed payloads (padded to the largest worker, after a count exchange when sizes depend on the
-    data). Step figures are averages over workers, like the real strategy's logged figures.
-    Memory: per worker only residuals and compressor state, never a copy of the model.
+    Bytes are counted by the driver from the tensors each worker hands over, as on a real rank. Step
+    figures are averages over workers, like the real strategy's logged figures. Memory: per worker its
+    residuals and compressor state, and, until the step's exchange ends, what its protocol holds (for
+    uncompressed or cast exchanges, its gradient).
     """
 
     def __init__(self, compressor: Compressor, workers: int, error_feedback: Optional[bool] = None,
@@ -36,25 +37,24 @@ class SimulatedExchange:
         self.compressor = compressor
         self.workers = workers
         self.error_feedback = feedback
-        self.min_compress_numel = min_compress_numel
-        self.seed = seed
         self.recorder = StepRecorder()
         self.pipelines = [WorkerPipeline(compressor, feedback, self.recorder) for _ in range(workers)]
+        self.engines = [ExchangeEngine(pipeline, min_compress_numel, seed) for pipeline in self.pipelines]
+        self.driver = InProcessDriver(workers)
         self.step = 0
         self.record_layers = False
         self.totals = StepStats()
         self.step_stats = StepStats()
         self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}
-        self._worker_bytes: list[int] = []
-        self._gather_shapes: list[list[tuple[int, int]]] = []
-        self._reduce_bytes: dict[torch.dtype, int] = {}
-        self._elements_sent = 0
-        self._elements_total = 0
-        self._bytes_dense = 0
-        self._dtype = torch.float32
-        self._compress_clock = Stopwatch()
-        self._decompress_clock = Stopwatch()
+
+    @property
+    def min_compress_numel(self) -> int:
+        return self.engines[0].min_compress_numel
+
+    @property
+    def seed(self) -> int:
+        return self.engines[0].seed
 
     @property
     def telemetry(self) -> bool:
@@ -73,81 +73,43 @@ class SimulatedExchange:
             pipeline.compressor = self.compressor
 
     # ------------------------------------------------------------------ one step
-    def add_worker(self, worker: int, named_grads: list[tuple[str, Tensor]]) -> None:
-        """Compress worker ``worker``'s gradients and add their decoded average share."""
-        pipeline = self.pipelines[worker]
-        reduce_bytes: dict[torch.dtype, int] = {}
-        shapes: list[tuple[int, int]] = []
-        scale = 1.0 / self.workers
-        device = named_grads[0][1].device if named_grads else torch.device("cpu")
+    def add_worker(self, worker: int, named_grads: list[tuple[str, Tensor]],
+                   shapes: Optional[dict[str, tuple[int, ...]]] = None) -> None:
+        """Start worker ``worker``'s exchange of its gradients (``shapes``: each parameter's shape,
+        default the gradient's)."""
+        entries = []
         for name, grad in named_grads:
-            view = grad.reshape(-1)
-            self._dtype = view.dtype
-            out = self._aggregate.get(name)
-            if out is None:
-                out = self._aggregate[name] = torch.zeros_like(view)
-                self._bytes_dense += view.numel() * view.element_size()
-                self._elements_total += view.numel()
-            ctx = pipeline.context(name, self.step, worker, self.workers, self.seed)
-            if view.numel() < self.min_compress_numel:
-                with self._compress_clock.measure(device) if self._telemetry else nullcontext():
-                    sent = pipeline.dense(view, ctx)
-                reduce_bytes[sent.dtype] = reduce_bytes.get(sent.dtype, 0) + sent.numel() * sent.element_size()
-                out.add_(sent, alpha=scale)
-                self._elements_sent += view.numel()
-                continue
-            with self._compress_clock.measure(device) if self._telemetry else nullcontext():
-                item = pipeline.compress(view, ctx)
-            payload = item.payload
-            self._elements_sent += payload.count
-            if self.compressor.summable:
-                for part in payload.parts:
-                    reduce_bytes[part.dtype] = reduce_bytes.get(part.dtype, 0) + part.numel() * part.element_size()
-            else:
-                shapes.append((payload.numel, payload.count))
-            with self._decompress_clock.measure(device) if self._telemetry else nullcontext():
-                self.compressor.accumulate(payload, out, alpha=scale)
-            with self._compress_clock.measure(device) if self._telemetry else nullcontext():
-                pipeline.remember(item)
-        self._gather_shapes.append(shapes)
-        self._worker_bytes.append(sum(reduce_bytes.values()))
-        self._reduce_bytes = reduce_bytes
+            out = None
+            if worker == 0:
+                out = self._aggregate[name] = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
+            shape = tuple(shapes[name]) if shapes is not None and name in shapes else tuple(grad.shape)
+            entries.append(Entry(name, shape, grad.reshape(-1), out))
+        self.driver.start(worker, self.engines[worker].bucket(entries, self.step, worker, self.workers))
 
     def finish_step(self) -> dict[str, Tensor]:
         """The averaged gradients of this step, by parameter name; the step's figures go to
         :attr:`step_stats` and :attr:`totals`."""
-        collectives = [("all_reduce", nbytes) for nbytes in self._reduce_bytes.values()]
-        gathered_bytes = 0
-        if any(self._gather_shapes):
-            sizes = [wire.layout(self.compressor, shapes, self._dtype)[1] for shapes in self._gather_shapes]
-            dynamic = any(self.compressor.static_count(n) is None for n, _ in self._gather_shapes[0])
-            if dynamic:
-                header = 4 * len(self._gather_shapes[0])
-                collectives.append(("all_gather", header))
-                gathered_bytes += header
-            if max(sizes) > 0:
-                collectives.append(("all_gather", max(sizes)))
-                gathered_bytes += max(sizes)
+        reports = self.driver.finish()
+        logs = [counter.take_log() for counter in self.driver.counters]
+        workers = self.workers
         stats = StepStats(
             steps=1, buckets=1,
-            bytes_sent=sum(self._worker_bytes) / self.workers + gathered_bytes,
-            bytes_dense=self._bytes_dense,
-            elements_sent=self._elements_sent / self.workers,
-            elements_total=self._elements_total,
-            collectives=collectives,
+            bytes_sent=sum(nbytes for log in logs for _, nbytes in log) / workers,
+            bytes_dense=reports[0].bytes_dense,
+            elements_sent=sum(report.elements_sent for report in reports) / workers,
+            elements_total=reports[0].elements_total,
+            collectives=logs[0],
         )
         if self._telemetry:
             self.recorder.resolve(stats, per_layer=self.record_layers)
-            stats.error_sq /= self.workers
-            stats.grad_sq /= self.workers
+            stats.error_sq /= workers
+            stats.grad_sq /= workers
             for layer in stats.layers.values():
                 for name in ("error_sq", "grad_sq", "count", "numel"):
-                    setattr(layer, name, getattr(layer, name) / self.workers)
-            stats.compress_s = self._compress_clock.take() / self.workers
-            stats.decompress_s = self._decompress_clock.take() / self.workers
-        aggregate = self._aggregate
-        self._aggregate, self._worker_bytes, self._gather_shapes, self._reduce_bytes = {}, [], [], {}
-        self._elements_sent = self._elements_total = self._bytes_dense = 0
+                    setattr(layer, name, getattr(layer, name) / workers)
+            stats.compress_s = sum(engine.compress_clock.take() for engine in self.engines) / workers
+            stats.decompress_s = sum(engine.decompress_clock.take() for engine in self.engines) / workers
+        aggregate, self._aggregate = self._aggregate, {}
         self.step += 1
         self.step_stats = stats
         self.totals.add(stats)

@@ -1,9 +1,9 @@
 """Byte layout of gathered payloads: many typed parts in one uint8 buffer, and back.
 
-All payloads of one DDP bucket that are not summable travel in a single uint8 tensor, so one
+All payloads of one DDP bucket that are not all-reducible travel in a single uint8 tensor, so one
 ``all_gather`` moves them. Each part starts at an offset aligned to its own item size (so it can be
 re-read with ``Tensor.view(dtype)`` without a copy) and the buffer is padded to a multiple of 8 bytes.
-Sender and receivers derive the same layout from ``(compressor, numel, count)`` alone: nothing but the
+Sender and receivers derive the same layout from each part's ``(dtype, numel)`` alone: nothing but the
 parts and, for data-dependent counts, the counts themselves crosses the wire.
 """
 
@@ -15,7 +15,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, itemsize
+from lightning_gradcomp.compressors.base import itemsize
+
+#: ``(dtype, numel)`` of one part.
+PartSpec = tuple[torch.dtype, int]
 
 ALIGNMENT = 8
 
@@ -37,16 +40,13 @@ def _align(offset: int, to: int) -> int:
     return -(-offset // to) * to
 
 
-def layout(
-    compressor: Compressor, shapes: Sequence[tuple[int, int]], grad_dtype: torch.dtype
-) -> tuple[list[list[Slot]], int]:
-    """Slots of every part of every payload, given ``(numel, count)`` per payload, and the total size."""
-    dtypes = compressor.part_dtypes(grad_dtype)
+def layout(payloads: Sequence[Sequence[PartSpec]]) -> tuple[list[list[Slot]], int]:
+    """Slots of every part of every payload, given ``(dtype, numel)`` per part, and the total size."""
     offset = 0
     slots: list[list[Slot]] = []
-    for numel, count in shapes:
+    for specs in payloads:
         payload_slots = []
-        for dtype, part_numel in zip(dtypes, compressor.payload_numels(numel, count)):
+        for dtype, part_numel in specs:
             offset = _align(offset, itemsize(dtype))
             payload_slots.append(Slot(offset, dtype, part_numel))
             offset += payload_slots[-1].nbytes

@@ -1,0 +1,164 @@
+r"""PowerSGD: low-rank gradient compression by one step of power iteration (Vogels, Karimireddy & Jaggi,
+"PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019, Alg. 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, check_int
+from lightning_gradcomp.exchange.protocol import Mean, Outcome, Protocol, Round
+
+Q_STATE = "q"
+
+
+class PowerSGD(Compressor):
+    r"""Rank-``r`` PowerSGD with error feedback and warm start.
+
+    Each gradient is viewed as a matrix :math:`M` of shape ``(n, m)`` (a conv weight as
+    ``(out, in·kh·kw)``); with :math:`M = G + E` (the gradient plus this worker's residual) and
+    :math:`Q \in \mathbb{R}^{m \times r}` (last step's, or drawn from a generator shared by all workers):
+
+    .. math::
+        P = M Q, \quad P \leftarrow \tfrac1N \textstyle\sum_w P_w \ \text{(all-reduce)}, \quad
+        \hat P = \operatorname{orthogonalise}(P) \ \text{(Gram–Schmidt)}, \\
+        Q = M^\top \hat P, \quad Q \leftarrow \tfrac1N \textstyle\sum_w Q_w \ \text{(all-reduce)}, \quad
+        \text{update} = \hat P Q^\top, \quad E \leftarrow M - \hat P Q^\top.
+
+    The update is :math:`\hat P \hat P^\top \bar M`, the projection of the average :math:`\bar M` onto
+    the span of :math:`\hat P`; error feedback subtracts the *aggregated* low-rank result from the local
+    input. ``Q`` is kept per parameter (warm start, one power-iteration step per training step) and
+    checkpointed. Bytes per matrix and worker: :math:`(n + m)\,r` values (fp32, or fp64 for fp64
+    gradients) instead of :math:`n m`.
+
+    Sent uncompressed (averaged): 1-D tensors, matrices where :math:`(n + m)\,r \cdot`
+    ``min_compression_rate`` :math:`> n m`, and every tensor before ``start_step``.
+
+    Unlike PyTorch's ``powerSGD_hook``: state is keyed by parameter name (not bucket index, which DDP
+    renumbers when it rebuilds buckets), the second all-reduce is issued from the hook's thread (never
+    from a future's callback, so ranks cannot pair mismatched messages), and warm-start ``Q`` and residuals
+    are saved in Lightning checkpoints.
+
+    Args:
+        rank: ``r >= 1``, the rank of the approximation (capped at ``min(n, m)``).
+        start_step: optimizer steps of plain averaging before compression starts (PyTorch's hook
+            defaults to 1000; the paper starts at once).
+        warm_start: reuse last step's ``Q`` (the paper's choice); else a fresh random ``Q`` every step.
+        min_compression_rate: compress a matrix only if ``n m >= rate · (n + m) r``.
+    """
+
+    name = "powersgd"
+    biased = True
+
+    def __init__(self, rank: int = 2, start_step: int = 0, warm_start: bool = True,
+                 min_compression_rate: float = 2.0) -> None:
+        self.rank = rank
+        self.start_step = check_int(start_step, "start_step", 0)
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"`warm_start` must be True or False, got {warm_start!r}")
+        self.warm_start = warm_start
+        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
+                or not 1.0 <= min_compression_rate < math.inf:
+            raise ValueError(f"`min_compression_rate` must be a finite number >= 1, got {min_compression_rate!r}")
+        self.min_compression_rate = float(min_compression_rate)
+
+    @property
+    def rank(self) -> int:
+        """The rank ``r >= 1`` of the approximation; a schedule may change it between steps."""
+        return self._rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = check_int(value, "rank", 1)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"rank": self.rank, "start_step": self.start_step, "warm_start": self.warm_start,
+                "min_compression_rate": self.min_compression_rate}
+
+    # ------------------------------------------------------------------ shapes and wire
+    def matrix_shape(self, shape: Sequence[int]) -> Optional[tuple[int, int, int]]:
+        """``(n, m, r)`` for a parameter of ``shape`` that is compressed, ``None`` for one sent dense."""
+        if len(shape) < 2:
+            return None
+        n = int(shape[0])
+        m = math.prod(shape) // n if n else 0
+        r = min(self.rank, n, m)
+        if r == 0 or (n + m) * r * self.min_compression_rate > n * m:
+            return None
+        return n, m, r
+
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None
+                    ) -> list[list[tuple[torch.dtype, int]]]:
+        """From ``start_step`` on: ``P`` (``n·r``) in round 1, ``Q`` (``m·r``) in round 2; or the dense tensor."""
+        matrix = self.matrix_shape(shape)
+        if matrix is None:
+            return [[(dtype, math.prod(shape))]]
+        n, m, r = matrix
+        compute = _compute_dtype(dtype)
+        return [[(compute, n * r)], [(compute, m * r)]]
+
+    # ------------------------------------------------------------------ the protocol
+    def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
+        matrix = self.matrix_shape(ctx.shape) if ctx.shape else None
+        if matrix is None or ctx.step < self.start_step:
+            return (yield from _averaged(tensor))
+        n, m, r = matrix
+        compute = _compute_dtype(tensor.dtype)
+        local = tensor.view(n, m).to(compute)
+        q = self._start_q(ctx, m, r, compute, tensor.device)
+        (p_mean,) = yield Round([Mean(local @ q)])
+        p_hat = orthogonalize(p_mean.clone())
+        (q_mean,) = yield Round([Mean(local.T @ p_hat)], last=True)
+        if self.warm_start:
+            self._keep_q(ctx, q_mean)
+
+        def subtract(residual: Tensor) -> None:
+            residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
+
+        def write(out: Tensor) -> None:
+            out.view(n, m).copy_(p_hat @ q_mean.T)
+
+        return Outcome((n + m) * r, subtract, write)
+
+    def _start_q(self, ctx: CompressContext, m: int, r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        previous = ctx.state.get(Q_STATE) if self.warm_start else None
+        if previous is not None and previous.shape == (m, r):
+            return previous.to(dtype)
+        generator = ctx.generator(device, per_rank=False)  # the same Q on every worker
+        return torch.randn(m, r, generator=generator, device=device, dtype=dtype)
+
+    @staticmethod
+    def _keep_q(ctx: CompressContext, q_mean: Tensor) -> None:
+        # A non-finite Q would poison every later step: start afresh instead (on GPU this check is a sync,
+        # on an m x r matrix once per step).
+        if bool(torch.isfinite(q_mean).all()):
+            ctx.state[Q_STATE] = q_mean.clone()
+        else:
+            ctx.state.pop(Q_STATE, None)
+
+
+def orthogonalize(matrix: Tensor) -> Tensor:
+    """Gram–Schmidt on the columns of ``matrix`` (in place; returned). A zero column stays zero."""
+    tiny = torch.finfo(matrix.dtype).tiny
+    columns = matrix.shape[1]
+    for i in range(columns):
+        column = matrix[:, i:i + 1]
+        column.div_(torch.linalg.vector_norm(column).clamp_min(tiny))
+        if i + 1 < columns:
+            rest = matrix[:, i + 1:]
+            rest.sub_(column @ (column.T @ rest))
+    return matrix
+
+
+def _averaged(tensor: Tensor) -> Protocol:
+    """Uncompressed averaging (1-D tensors, small matrices, steps before ``start_step``)."""
+    (mean,) = yield Round([Mean(tensor)], last=True)
+    return Outcome(tensor.numel(), lambda residual: residual.zero_(), lambda out: out.copy_(mean))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32

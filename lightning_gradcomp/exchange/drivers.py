@@ -1,0 +1,197 @@
+"""The drivers of the exchange engine: the collectives, and the count of the bytes handed to them.
+
+* :class:`TorchDriver` issues them through ``torch.distributed`` (inside the DDP hook).
+* :class:`InProcessDriver` runs N simulated workers' exchanges in lock-step on one device and combines
+  their collectives in process (a sum in worker order, a stack).
+
+Both count ``bytes_sent`` from the tensors they are handed (payloads, padding and size headers), so a
+real run and a simulation with the same buckets report the same bytes by construction. What the network
+then carries depends on the collective's algorithm; see :mod:`lightning_gradcomp.netmodel`.
+
+Ordering: :class:`TorchDriver` issues every collective from the calling thread, at once, never from a
+future's callback. DDP calls the hook bucket by bucket in the same order on every rank, and the engine's
+sequence of collectives is the same on every rank, so collectives are issued in the same order
+everywhere. (Collectives issued from ``.then()`` callbacks can be reordered between ranks when several
+buckets are in flight, and gloo then pairs mismatched messages.) Intermediate rounds of a multi-round
+protocol (PowerSGD) are waited for in the calling thread; only the decoding after the final round runs
+in a callback, and it issues nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Collective, CollectiveRound
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the compressed exchange failed (a peer died, closed its connection or timed out)."""
+
+
+class _ByteCounter:
+    """``bytes_sent`` and the ``(kind, bytes)`` log of every collective handed over."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self._log: list[tuple[str, int]] = []
+
+    def count(self, collective: Collective) -> None:
+        self.bytes_sent += collective.nbytes
+        self._log.append((collective.kind, collective.nbytes))
+
+    def take_log(self) -> list[tuple[str, int]]:
+        """``(kind, input bytes)`` of every collective handed over since the last call."""
+        log, self._log = self._log, []
+        return log
+
+
+class TorchDriver(_ByteCounter):
+    """Runs a bucket's exchange through ``torch.distributed`` on one process group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.group = group
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def run(self, protocol: BucketProtocol) -> Future:
+        """Drive ``protocol`` (from :meth:`ExchangeEngine.bucket`); the future's value is its
+        :class:`BucketReport`, set once the final round's results are decoded."""
+        try:
+            turn = next(protocol)
+        except StopIteration as stop:
+            return _completed(stop.value)
+        while not turn.final:
+            issued = [self._issue(collective) for collective in turn.collectives]
+            turn = protocol.send([self._wait(*item) for item in issued])
+        issued = [self._issue(collective) for collective in turn.collectives]
+
+        def finish(_: Any) -> BucketReport:
+            # Waiting on each child future raises its error (a dead peer) instead of decoding garbage,
+            # and, on CUDA, makes the current stream wait for the collective (collect_all carries no
+            # stream events).
+            results = [self._wait(*item) for item in issued]
+            try:
+                protocol.send(results)
+            except StopIteration as stop:
+                return stop.value
+            raise RuntimeError("gradcomp: the exchange went on after its final round")
+
+        if not issued:
+            return _completed(finish(None))
+        return torch.futures.collect_all([future for future, _, _ in issued]).then(finish)
+
+    def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective]:
+        self.count(collective)
+        tensor = collective.tensor
+        if collective.kind == "all_reduce":
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            return work.get_future(), tensor, collective
+        output = tensor.new_empty(self.world_size * tensor.numel())
+        work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
+        return work.get_future(), output.view(self.world_size, -1), collective
+
+    def _wait(self, future: Future, result: Tensor, collective: Collective) -> Tensor:
+        try:
+            future.wait()
+        except Exception as error:
+            raise CollectiveError(
+                f"gradcomp: {collective.kind} of {collective.nbytes} bytes failed on rank {self.rank} of "
+                f"{self.world_size}: {error}"
+            ) from error
+        return result
+
+
+class InProcessDriver:
+    """Runs N simulated workers' exchanges in lock-step and combines their collectives in process.
+
+    Per step: :meth:`start` once per worker, in worker order (each worker's protocol runs to its first
+    round at once, so the simulation can go on to the next worker's backward), then :meth:`finish`.
+    ``all_reduce`` is a sum in worker order; ``all_gather`` stacks the workers' tensors. Every worker
+    receives the same result tensors (protocols treat results as read-only). Bytes are counted per
+    worker, exactly as :class:`TorchDriver` counts them on each rank.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.counters = [_ByteCounter() for _ in range(workers)]
+        self._protocols: list[BucketProtocol] = []
+        self._turns: list[Optional[CollectiveRound]] = []
+        self._reports: list[Optional[BucketReport]] = []
+
+    def start(self, worker: int, protocol: BucketProtocol) -> None:
+        """Run worker ``worker``'s protocol to its first round."""
+        if worker != len(self._protocols):
+            raise RuntimeError(f"InProcessDriver: workers start in order; expected {len(self._protocols)}, got {worker}")
+        self._protocols.append(protocol)
+        try:
+            self._turns.append(next(protocol))
+            self._reports.append(None)
+        except StopIteration as stop:
+            self._turns.append(None)
+            self._reports.append(stop.value)
+
+    def finish(self) -> list[BucketReport]:
+        """Run the remaining rounds of every worker in lock-step; each worker's report."""
+        if len(self._protocols) != self.workers:
+            raise RuntimeError(f"InProcessDriver: {len(self._protocols)} of {self.workers} workers started")
+        try:
+            while any(turn is not None for turn in self._turns):
+                results = self._combine()
+                for worker, protocol in enumerate(self._protocols):
+                    try:
+                        self._turns[worker] = protocol.send(results)
+                    except StopIteration as stop:
+                        self._turns[worker] = None
+                        self._reports[worker] = stop.value
+            return [report for report in self._reports if report is not None]
+        finally:
+            self._protocols, self._turns, self._reports = [], [], []
+
+    def _combine(self) -> list[Tensor]:
+        turns = self._turns
+        if any(turn is None for turn in turns):
+            raise RuntimeError("gradcomp simulation: the workers' exchanges have different numbers of rounds")
+        first = turns[0].collectives
+        for worker, turn in enumerate(turns):
+            shape = [(c.kind, c.tensor.dtype, c.tensor.numel()) for c in turn.collectives]
+            if shape != [(c.kind, c.tensor.dtype, c.tensor.numel()) for c in first]:
+                raise RuntimeError(
+                    f"gradcomp simulation: worker {worker} hands over {shape}, worker 0 "
+                    f"{[(c.kind, c.tensor.dtype, c.tensor.numel()) for c in first]}"
+                )
+            for collective in turn.collectives:
+                self.counters[worker].count(collective)
+        results = []
+        for position, collective in enumerate(first):
+            tensors = [turn.collectives[position].tensor for turn in turns]
+            if collective.kind == "all_reduce":
+                total = tensors[0].clone()
+                for tensor in tensors[1:]:
+                    total.add_(tensor)
+                results.append(total)
+            else:
+                results.append(torch.stack(tensors))
+        return results
+
+
+def _completed(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _all_gather_single():
+    # torch >= 2.14 renamed all_gather_into_tensor; looked up at call time.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,247 @@
+"""The exchange of one bucket, written once: routing, rounds, merging into collectives, decoding.
+
+``bucket -> per-parameter protocols (error feedback, compressor) -> rounds of collectives -> aggregate``
+
+:meth:`ExchangeEngine.bucket` is a generator that a driver runs: it yields a :class:`CollectiveRound`
+(the collectives to issue, and whether it is the bucket's final round) and receives their results.
+
+* Parameters below ``min_compress_numel`` elements (biases, norms) are averaged uncompressed; the
+  others go through the worker's :class:`~lightning_gradcomp.pipeline.WorkerPipeline` (error feedback
+  around the compressor's protocol).
+* Every tensor's protocol is advanced in lock-step; the requests of one round are merged: all
+  :class:`~lightning_gradcomp.exchange.protocol.Mean` requests of one dtype into one flat tensor
+  (divided by ``N``, then summed by one ``all_reduce``), all
+  :class:`~lightning_gradcomp.exchange.protocol.Gather` requests into one uint8 buffer (one
+  ``all_gather``; see :mod:`~lightning_gradcomp.exchange.wire`). When a gathered size depends on the
+  data, the counts go first in a small ``all_gather`` and every worker pads to the largest buffer (gloo
+  needs equal sizes).
+* Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
+  order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
+
+The sequence of collectives depends only on the bucket's parameters, the compressor and the counts
+exchanged in the headers, so it is the same on every worker: drivers may issue it as it comes.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Generator, Iterator, Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.exchange import wire
+from lightning_gradcomp.exchange.protocol import Gather, Mean, Received, Round
+from lightning_gradcomp.pipeline import WorkerPipeline
+from lightning_gradcomp.telemetry import Stopwatch
+
+
+@dataclass
+class Entry:
+    """One parameter of a bucket: its gradient (flat) and where its aggregate goes (``None``: nowhere)."""
+
+    name: str
+    shape: tuple[int, ...]
+    grad: Tensor
+    out: Optional[Tensor]
+
+
+@dataclass
+class Collective:
+    """A collective for the driver: ``all_reduce`` (sum, in place) or ``all_gather`` of a 1-D tensor of
+    the same size on every worker (result: ``(N, numel)``)."""
+
+    kind: Literal["all_reduce", "all_gather"]
+    tensor: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class CollectiveRound:
+    """The collectives of one round; after the ``final`` one the bucket's exchange only decodes."""
+
+    collectives: list[Collective]
+    final: bool
+
+
+@dataclass
+class BucketReport:
+    """What one worker's exchange of one bucket did (the driver counts the bytes)."""
+
+    elements_sent: int
+    elements_total: int
+    bytes_dense: int
+
+
+BucketProtocol = Generator[CollectiveRound, list, BucketReport]
+
+
+class ExchangeEngine:
+    """One worker's exchange of DDP buckets (or of the whole model, in the simulation).
+
+    Args:
+        pipeline: the worker's compressor, error feedback and memory.
+        min_compress_numel: smaller tensors are averaged uncompressed.
+        seed: base seed of the compressors' generators, identical on all workers.
+    """
+
+    def __init__(self, pipeline: WorkerPipeline, min_compress_numel: int = 1024, seed: int = 0) -> None:
+        self.pipeline = pipeline
+        self.min_compress_numel = min_compress_numel
+        self.seed = seed
+        self.compress_clock = Stopwatch()
+        self.decompress_clock = Stopwatch()
+
+    def bucket(self, entries: Sequence[Entry], step: int, rank: int, world_size: int) -> BucketProtocol:
+        """The exchange of one bucket (a generator run by a driver)."""
+        entries = sorted(entries, key=lambda entry: entry.name)
+        device = entries[0].grad.device if entries else torch.device("cpu")
+        protocols = [self._protocol(entry, step, rank, world_size) for entry in entries]
+        sent = [0] * len(entries)
+        with self._clock(self.compress_clock, device):
+            pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
+        while pending:
+            final = all(turn.last for turn in pending.values())
+            merged = _MergedRound(pending, world_size, device)
+            if merged.needs_header:
+                (counts,) = yield CollectiveRound([Collective("all_gather", merged.header())], final=False)
+                merged.read_header(counts)
+            results = yield CollectiveRound(merged.collectives(), final)
+            with self._clock(self.decompress_clock if final else self.compress_clock, device):
+                pending = _advance(protocols, merged.split(results), sent, previous=pending)
+            if final and pending:
+                raise RuntimeError(
+                    f"gradcomp: the protocol of {entries[next(iter(pending))].name!r} went on after a round it "
+                    "marked last"
+                )
+        return BucketReport(
+            elements_sent=sum(sent),
+            elements_total=sum(entry.grad.numel() for entry in entries),
+            bytes_dense=sum(entry.grad.numel() * entry.grad.element_size() for entry in entries),
+        )
+
+    def _protocol(self, entry: Entry, step: int, rank: int, world_size: int) -> Generator[Round, list, int]:
+        ctx = self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed)
+        if entry.grad.numel() < self.min_compress_numel:
+            return self.pipeline.dense_protocol(entry.grad, ctx, entry.out)
+        return self.pipeline.protocol(entry.grad, ctx, entry.out)
+
+    def _clock(self, clock: Stopwatch, device: torch.device):
+        return clock.measure(device) if self.pipeline.telemetry else nullcontext()
+
+
+def _advance(protocols: list[Generator[Round, list, int]], results: dict[int, Optional[list]], sent: list[int],
+             previous: Optional[dict[int, Round]] = None) -> dict[int, Round]:
+    """Send every pending protocol its results; return the rounds of those that go on."""
+    pending: dict[int, Round] = {}
+    for index, result in results.items():
+        try:
+            turn = protocols[index].send(result)
+        except StopIteration as stop:
+            sent[index] = int(stop.value or 0)
+            continue
+        if previous is not None and previous[index].last:
+            raise RuntimeError("gradcomp: a compressor's protocol yielded another round after its last one")
+        if not isinstance(turn, Round):
+            raise TypeError(f"gradcomp: a compressor's protocol must yield Round objects, got {type(turn).__name__}")
+        pending[index] = turn
+    return pending
+
+
+class _MergedRound:
+    """The requests of one round of every pending tensor, merged into one collective per kind and dtype."""
+
+    def __init__(self, pending: dict[int, Round], world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device
+        self.means: dict[torch.dtype, list[tuple[int, int, Mean]]] = {}
+        self.gathers: list[tuple[int, int, Gather]] = []
+        self.shapes: dict[int, int] = {}
+        for index, turn in pending.items():
+            self.shapes[index] = len(turn.requests)
+            for position, request in enumerate(turn.requests):
+                if isinstance(request, Mean):
+                    self.means.setdefault(request.tensor.dtype, []).append((index, position, request))
+                elif isinstance(request, Gather):
+                    self.gathers.append((index, position, request))
+                else:
+                    raise TypeError(f"gradcomp: unknown request {type(request).__name__} (allowed: Mean, Gather)")
+        self.dynamic = [request for _, _, request in self.gathers if request.count is not None]
+        self.rank_specs: Optional[list[list[list[wire.PartSpec]]]] = None
+        self.rank_counts: Optional[list[list[Optional[int]]]] = None
+        self.gather_layouts: list[tuple[list[list[wire.Slot]], int]] = []
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def needs_header(self) -> bool:
+        return bool(self.dynamic)
+
+    def header(self) -> Tensor:
+        """This worker's data-dependent counts (int32, one per dynamic request)."""
+        return torch.tensor([request.count for request in self.dynamic], dtype=torch.int32, device=self.device)
+
+    def read_header(self, counts: Tensor) -> None:
+        """Every worker's part sizes, from the gathered counts (``(N, len(dynamic))``)."""
+        self.rank_counts = []
+        for row in counts.view(self.world_size, -1).tolist():
+            worker_counts = iter(row)
+            self.rank_counts.append([None if request.count is None else int(next(worker_counts))
+                                     for _, _, request in self.gathers])
+        self.rank_specs = [[_specs(request, count) for (_, _, request), count in zip(self.gathers, counts_of_rank)]
+                           for counts_of_rank in self.rank_counts]
+
+    def _all_specs(self) -> list[list[list[wire.PartSpec]]]:
+        if self.rank_specs is None:  # static sizes: the same on every worker
+            local = [_specs(request, None) for _, _, request in self.gathers]
+            self.rank_specs = [local] * self.world_size
+        return self.rank_specs
+
+    # ------------------------------------------------------------------ collectives
+    def collectives(self) -> list[Collective]:
+        ops = []
+        for requests in self.means.values():
+            flat = torch.cat([request.tensor.reshape(-1) for _, _, request in requests])
+            if self.world_size > 1:
+                flat.div_(self.world_size)
+            ops.append(Collective("all_reduce", flat))
+        if self.gathers:
+            self.gather_layouts = [wire.layout(specs) for specs in self._all_specs()]
+            longest = max(total for _, total in self.gather_layouts)
+            if longest > 0:  # else nothing was selected anywhere: the counts said it all
+                own_slots, _ = wire.layout([_specs(request, request.count) for _, _, request in self.gathers])
+                buffer = wire.serialize([request.parts for _, _, request in self.gathers], own_slots, longest,
+                                        self.device)
+                ops.append(Collective("all_gather", buffer))
+        return ops
+
+    def split(self, results: list[Tensor]) -> dict[int, list]:
+        """Each tensor's results, in the order of its requests."""
+        per_tensor: dict[int, list] = {index: [None] * size for index, size in self.shapes.items()}
+        results_iter: Iterator[Tensor] = iter(results)
+        for requests in self.means.values():
+            summed = next(results_iter)
+            pieces = summed.split([request.tensor.numel() for _, _, request in requests])
+            for (index, position, request), piece in zip(requests, pieces):
+                per_tensor[index][position] = piece.view(request.tensor.shape)
+        if self.gathers:
+            rows = next(results_iter, None)
+            received: list[list[Received]] = [[] for _ in self.gathers]
+            for rank, (slots, _) in enumerate(self.gather_layouts):
+                row = rows[rank] if rows is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
+                counts = self.rank_counts[rank] if self.rank_counts is not None else [None] * len(self.gathers)
+                for request_index, parts in enumerate(wire.deserialize(row, slots)):
+                    received[request_index].append(Received(parts, counts[request_index]))
+            for (index, position, _), rows_of_request in zip(self.gathers, received):
+                per_tensor[index][position] = rows_of_request
+        return per_tensor
+
+
+def _specs(request: Gather, count: Optional[int]) -> list[wire.PartSpec]:
+    """``(dtype, numel)`` of a gathered request's parts, for a worker whose count is ``count``."""
+    if count is None or request.part_numels is None:
+        return [(part.dtype, part.numel()) for part in request.parts]
+    return [(part.dtype, int(numel)) for part, numel in zip(request.parts, request.part_numels(count))]

@@ -1,0 +1,102 @@
+"""The vocabulary of an exchange protocol: what a compressor asks of the other workers, round by round.
+
+A compressor's exchange of one tensor is a Python generator (see
+:meth:`~lightning_gradcomp.compressors.Compressor.exchange`)::
+
+    results = yield Round([Mean(p_matrix)])                    # an intermediate round
+    results = yield Round([Gather(parts)], last=True)          # the last round
+    return Outcome(count, subtract, write)
+
+Each :class:`Round` lists requests; ``results`` holds one result per request, in order:
+
+* :class:`Mean` — the element-wise average over workers. The engine divides the tensor by the number
+  of workers ``N`` and sums with one ``all_reduce`` (so a 16-bit sum stays within range whenever each
+  worker's value does). Result: a tensor of the same shape and dtype.
+* :class:`Gather` — every worker's parts. Result: a list, one :class:`Received` per worker (in rank
+  order), holding that worker's 1-D parts and its count. Parts may differ in size between workers only when
+  ``count`` is given (data-dependent sizes): the engine then exchanges the counts first and pads.
+
+Results are **read-only** (in the simulation every worker receives the same tensor): a protocol that
+needs to change one works on a copy. The sequence of rounds and requests (their kinds and dtypes, and
+sizes where ``count`` is not given) must not depend on the data, so that it is the same on every
+worker; a protocol says which round is its last (``last=True``), so the engine knows when it may stop
+waiting and return to backward.
+
+The :class:`Outcome` says what was sent on the worker's behalf, for error feedback and telemetry
+(``subtract``), and how to write the aggregated result (``write``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, NamedTuple, Optional, Sequence, Union
+
+from torch import Tensor
+
+
+@dataclass
+class Mean:
+    """Average ``tensor`` over workers (one ``all_reduce`` sum of ``tensor / N``)."""
+
+    tensor: Tensor
+
+
+@dataclass
+class Gather:
+    """Every worker's ``parts`` (1-D tensors), packed into one ``all_gather`` with the bucket's others.
+
+    Attributes:
+        parts: the tensors to send.
+        count: the data-dependent coordinate count of these parts, or ``None`` when their sizes are the
+            same on every worker.
+        part_numels: with ``count``: ``count -> numel of each part``, to read another worker's parts.
+    """
+
+    parts: tuple[Tensor, ...]
+    count: Optional[int] = None
+    part_numels: Optional[Callable[[int], Sequence[int]]] = None
+
+    def __post_init__(self) -> None:
+        if self.count is not None and self.part_numels is None:
+            raise ValueError("Gather: `part_numels` is required when `count` is given")
+
+
+class Received(NamedTuple):
+    """One worker's parts of a :class:`Gather` (views into the gathered buffer) and its ``count``
+    (``None`` when sizes are the same on every worker)."""
+
+    parts: tuple[Tensor, ...]
+    count: Optional[int]
+
+
+Request = Union[Mean, Gather]
+
+
+@dataclass
+class Round:
+    """The requests of one round of a protocol; ``last`` marks the protocol's final round."""
+
+    requests: Sequence[Request]
+    last: bool = False
+
+
+@dataclass
+class Outcome:
+    """What one worker's exchange of one tensor did.
+
+    Attributes:
+        count: coordinates (values) sent for the tensor; ``count / numel`` is its density.
+        subtract: ``residual -= what was sent on this worker's behalf``, in place: error feedback
+            ``e = p − C(p)`` applies it to ``p``. Sparsifiers make ``residual`` exactly zero where they sent.
+        write: ``out = the aggregated result`` (the average over workers of the decoded payloads), in place.
+        payload: the compressor's own record of what it sent (for its :meth:`compression_error`).
+    """
+
+    count: int
+    subtract: Callable[[Tensor], None]
+    write: Callable[[Tensor], None]
+    payload: Any = None
+
+
+#: What :meth:`Compressor.exchange` returns: yields rounds, receives their results, returns the outcome.
+Protocol = Generator[Round, list, Outcome]
