@@ -8,7 +8,7 @@
 Both processes run inside a private network namespace whose loopback is shaped by ``tc tbf`` (see the
 README's benchmark section), talk gloo over 127.0.0.1 with one CPU thread each, and train the same model
 on synthetic batches: an MLP 784-2048-512-10 (2.66M parameters, batch 64 per process) or a ResNet-18 with
-the CIFAR stem (11.2M parameters, 3x32x32 inputs, batch 32 per process). Each method runs in its own pair
+torchvision's stem (11.2M parameters, CIFAR-sized 3x32x32 inputs, batch 32 per process). Each method runs in its own pair
 of processes with DDP's default buckets, one after the other in the same session, so a method that
 crashes is reported as such and the others still run: plain DDP, ``fp16_compress_hook``, PyTorch's
 ``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and DGC at density 0.001, hard threshold,
@@ -31,8 +31,11 @@ from pathlib import Path
 
 NETNS = "gcnet"
 METHODS = ["ddp", "noop", "fp16", "torch_powersgd", "powersgd", "topk", "dgc", "threshold", "qsgd"]
+#: Variants: ``<method>_1b`` puts the whole model in one DDP bucket (PyTorch's PowerSGD runs there);
+#: ``<gradcomp method>_inline`` exchanges in the DDP hook instead of gradcomp's exchange thread.
+VARIANTS = ["torch_powersgd_1b", "powersgd_1b", "powersgd_inline", "topk_inline", "dgc_inline"]
 MODELS = {"mlp": "MLP 784-2048-512-10 (2.66M params), batch 64 per process",
-          "resnet18": "ResNet-18, CIFAR stem (11.2M params), 3x32x32 inputs, batch 32 per process"}
+          "resnet18": "ResNet-18 (torchvision, 11.2M params), 3x32x32 inputs, batch 32 per process"}
 
 
 def build_model(name: str):
@@ -42,9 +45,9 @@ def build_model(name: str):
 
     torch.manual_seed(0)
     if name == "resnet18":
-        from lightning_gradcomp.examples.vision import resnet18_cifar
+        import torchvision
 
-        return resnet18_cifar(10), (32, 3, 32, 32)
+        return torchvision.models.resnet18(num_classes=10), (32, 3, 32, 32)
     return nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.ReLU(), nn.Linear(512, 10)), (64, 784)
 
 
@@ -79,7 +82,10 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     model, batch_shape = build_model(model_name)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    inline = method.endswith("_inline")
+    one_bucket = method.endswith("_1b")
+    method = method.removesuffix("_inline").removesuffix("_1b")
+    ddp = nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": 1000} if one_bucket else {}))
     names = {id(p): n for n, p in model.named_parameters()}
     k = 0.001 * sum(p.numel() for p in model.parameters())
     if method == "noop":
@@ -92,7 +98,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     elif method != "ddp":
         compressor = {"topk": TopK(0.001), "dgc": DGC(0.001, momentum=0.9), "powersgd": PowerSGD(rank=2),
                       "threshold": HardThreshold(1 / (2 * k ** 0.5)), "qsgd": QSGD(levels=16)}[method]
-        ddp.register_comm_hook(GradCompHookState(compressor, names), gradcomp_hook)
+        ddp.register_comm_hook(GradCompHookState(compressor, names, exchange_thread=not inline), gradcomp_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
@@ -129,8 +135,10 @@ def run_method(method: str, args: argparse.Namespace, prefix: list[str]) -> tupl
         return [], f"timed out after {args.timeout} s"
     if any(p.returncode for p in procs) or not out.exists():
         lines = [line for text in outputs for line in text.splitlines() if line.strip()]
-        reason = next((line for line in lines if "Error" in line or "error" in line), lines[-1] if lines else "")
-        return [], f"crashed (exit codes {[p.returncode for p in procs]}): {reason.strip()[:160]}"
+        known = ("doesn't match", "Connection closed", "Timed out", "terminate called")
+        reason = next((line for line in lines if any(k in line for k in known)),
+                      next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else ""))
+        return [], f"crashed (exit codes {[p.returncode for p in procs]}): {reason.strip()[-200:]}"
     return json.loads(out.read_text()), ""
 
 
@@ -142,7 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + VARIANTS)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="/tmp/gradcomp_slow_link.json", help=argparse.SUPPRESS)

@@ -55,13 +55,40 @@ class RestoresCompressionState:
         saved, self._pending_checkpoint = self._pending_checkpoint, None
         if saved is None or self.hook_state is None:
             return
+        check_format(saved)
         workers, name = self.compression_workers, type(self.compressor).__name__
-        if saved.get("world_size") != workers or saved.get("compressor") != name:
-            rank_zero_warn(
-                f"gradcomp: the checkpoint holds error-feedback memory of {saved.get('world_size')} workers of "
-                f"{saved.get('compressor')}, this run has {workers} of {name}; the residuals are dropped and "
-                "start from zero (the running totals are kept, averaged)."
-            )
+        if saved["world_size"] != workers or saved["compressor"] != name:
+            rank_zero_warn(describe_dropped(saved, workers, name))
             self.hook_state.totals = mean_totals(saved["ranks"])
+            self.hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
             return
         self._load_worker_states(saved["ranks"])
+
+
+def check_format(saved: dict[str, Any]) -> None:
+    """Refuse, with the reason, an entry this version cannot read (all versions so far write format 1)."""
+    version = saved.get("version")
+    if version != VERSION:
+        raise ValueError(
+            f"gradcomp: the checkpoint's compression state has format {version!r}; this version of "
+            f"lightning-gradcomp reads format {VERSION} (written by 0.1.0 and later). Resume with the version that "
+            "wrote it, or delete checkpoint['gradcomp'] to start the compression memory from zero."
+        )
+    missing = [key for key in ("world_size", "compressor", "ranks") if key not in saved]
+    if missing or not isinstance(saved.get("ranks"), list) or not saved["ranks"]:
+        raise ValueError(f"gradcomp: the checkpoint's compression state is damaged (missing or empty: "
+                         f"{', '.join(missing) or 'ranks'})")
+
+
+def describe_dropped(saved: dict[str, Any], workers: int, name: str) -> str:
+    """What a resume with another number of workers or another compressor drops, and what it keeps."""
+    state_keys = sorted({key for rank in saved["ranks"] for states in rank.get("memory", {}).get("states", {}).values()
+                         for key in states})
+    steps = max(int(rank.get("step", 0)) for rank in saved["ranks"])
+    dropped = "error-feedback residuals" + (f" and compressor state ({', '.join(state_keys)})" if state_keys else "")
+    return (
+        f"gradcomp: the checkpoint holds error-feedback memory of {saved['world_size']} workers of "
+        f"{saved['compressor']}, this run has {workers} of {name}; the residuals are dropped and start from zero. "
+        f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat) and "
+        "the running totals (averaged over the saved workers)."
+    )

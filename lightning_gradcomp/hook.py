@@ -10,18 +10,20 @@ holds the configuration and the accounting; the protocol is the engine's, the co
 """
 
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gradcomp.compressors.base import Compressor, check_int
+from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketReport, Entry, ExchangeEngine
+from lightning_gradcomp.exchange.thread import ExchangeThread
 from lightning_gradcomp.memory import CompressionMemory
-from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback
+from lightning_gradcomp.options import exchange_options
+from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
 from lightning_gradcomp.stats import StepStats
 
 
@@ -29,13 +31,17 @@ class GradCompHookState:
     """State of the ``gradcomp`` communication hook (one per DDP model and rank).
 
     Args:
-        compressor: the compressor applied to every parameter of at least ``min_compress_numel`` elements.
+        compressor: the compressor (or its registered name) applied to every parameter of at least
+            ``min_compress_numel`` elements.
         param_names: ``id(parameter) -> name``; names key the memory, so it survives bucket rebuilds.
         error_feedback: whether residuals are kept; ``None`` means the compressor's default (on when
             biased, unless the compressor keeps its own residual like DGC).
         min_compress_numel: smaller tensors are sent dense.
         seed: base seed of the compressors' generators, identical on all ranks.
         group: process group (default: the world).
+        exchange_thread: exchange buckets on a thread of their own (in the order DDP hands them over), so
+            compression and every round of communication overlap the rest of backward; ``False`` runs
+            them in the hook (the last round's decoding in a future's callback).
 
     Attributes:
         telemetry: measure compression error and time (set by
@@ -46,25 +52,24 @@ class GradCompHookState:
 
     def __init__(
         self,
-        compressor: Compressor,
+        compressor: Union[Compressor, str],
         param_names: dict[int, str],
         error_feedback: Optional[bool] = None,
         min_compress_numel: int = 1024,
         seed: int = 0,
         group: Optional[dist.ProcessGroup] = None,
+        exchange_thread: bool = True,
     ) -> None:
-        if not isinstance(compressor, Compressor):
-            raise ValueError(f"`compressor` must be a Compressor instance, got {compressor!r}")
-        if not isinstance(param_names, dict):
-            raise ValueError(f"`param_names` must be a dict of id(parameter) -> name, got {type(param_names).__name__}")
-        if error_feedback not in (None, True, False):
-            raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
-        self.error_feedback = resolve_error_feedback(compressor, error_feedback)
-        self.pipeline = WorkerPipeline(compressor, self.error_feedback)
-        self.engine = ExchangeEngine(self.pipeline, check_int(min_compress_numel, "min_compress_numel", 0),
-                                     check_int(seed, "seed", 0))
+        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        if not isinstance(param_names, dict) or not all(isinstance(n, str) for n in param_names.values()):
+            raise ValueError("`param_names` must be a dict of id(parameter) -> parameter name (str), e.g. "
+                             "{id(p): n for n, p in model.named_parameters()}")
+        self.error_feedback = resolve_error_feedback(options.compressor, options.error_feedback)
+        self.pipeline = WorkerPipeline(options.compressor, self.error_feedback)
+        self.engine = ExchangeEngine(self.pipeline, options.min_compress_numel, options.seed)
         self.param_names = param_names
         self.driver = TorchDriver(group)
+        self.thread = ExchangeThread(self.driver) if check_bool(exchange_thread, "exchange_thread") else None
         self.step = 0
         self.hook_calls = 0
         self.record_layers = False
@@ -108,6 +113,7 @@ class GradCompHookState:
         """The figures accumulated since the last call (one optimizer step), added to :attr:`totals`."""
         with self._lock:
             stats, self._stats = self._stats, StepStats()
+        warn_nonfinite(self.pipeline.take_nonfinite(), self.driver.rank, self.step)
         stats.collectives = self.driver.take_log()
         stats.bytes_sent = sum(nbytes for _, nbytes in stats.collectives)
         if self.telemetry:
@@ -143,13 +149,21 @@ class GradCompHookState:
         self.hook_calls += 1
         if bucket.is_last():
             self.step += 1
-        future = self.driver.run(protocol)
+        if self.thread is not None:
+            future = self.thread.submit(protocol, buffer.device)
+        else:
+            future = self.driver.run(protocol)
 
         def done(finished: Future) -> torch.Tensor:
             self._account(finished.value())
             return buffer
 
         return future.then(done)
+
+    def close(self) -> None:
+        """Stop the exchange thread, if any (the strategy calls it at teardown)."""
+        if self.thread is not None:
+            self.thread.close()
 
     def _name(self, param: torch.Tensor) -> str:
         name = self.param_names.get(id(param))

@@ -10,19 +10,19 @@ so that ``C(p_t) + e_{t+1} == p_t``. For sparsifiers the invariant holds bit for
 ``p_t`` with the sent coordinates set to exactly zero.
 
 Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
-first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient:
-where ``p_t - C(p_t)`` is NaN or Inf, the previous residual is kept (such steps are skipped by AMP's
-gradient scaler, or visible in the loss, but the memory stays usable).
+first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
+a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
+it was (see :mod:`lightning_gradcomp.pipeline` for what the exchange does on such a step).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import keep_finite
+from lightning_gradcomp.compressors.base import Finite, keep_if_finite
 
 
 class CompressionMemory:
@@ -39,15 +39,18 @@ class CompressionMemory:
             return grad.clone()
         return grad + residual
 
-    def update(self, name: str, corrected: Tensor, subtract: Callable[[Tensor], None]) -> Tensor:
-        """Store ``e = p - C(p)``, keeping the previous value wherever the new one is not finite.
+    def update(self, name: str, corrected: Tensor, subtract: Callable[[Tensor], None], finite: Finite = True
+               ) -> Optional[Tensor]:
+        """Store ``e = p - C(p)``, unless the gradient was not finite (then the residual stays as it was).
 
         ``corrected`` (``p``) is consumed: ``subtract`` (``p -= C(p)``, the exchange's
-        :class:`~lightning_gradcomp.exchange.protocol.Outcome`) runs in its storage. Returns the residual.
+        :class:`~lightning_gradcomp.exchange.protocol.Outcome`) runs in its storage. Returns the new
+        residual, or ``None`` when it was left unchanged.
         """
-        residual = corrected
-        subtract(residual)
-        residual = keep_finite(residual, self.residuals.get(name))
+        if finite is False:
+            return None
+        subtract(corrected)
+        residual = keep_if_finite(corrected, self.residuals.get(name), finite)
         self.residuals[name] = residual
         return residual
 

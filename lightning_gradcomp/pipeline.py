@@ -8,12 +8,13 @@ the write of the aggregated result.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Generator, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, squared_norm
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Finite, squared_norm
 from lightning_gradcomp.exchange.protocol import Mean, Outcome, Round
 from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.telemetry import StepRecorder
@@ -54,6 +55,15 @@ def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: li
 class WorkerPipeline:
     """Compress one worker's gradients with that worker's own memory.
 
+    Non-finite gradients (NaN or Inf; found by one reduction per gradient, :func:`all_finite`): the
+    engine makes the result of the bucket NaN on every worker, like DDP's all-reduce would (so AMP's
+    GradScaler skips the step on every rank, and without AMP the loss shows it), and the step is void
+    for the bucket's memory on every worker: residuals and the state a compressor keeps after the
+    exchange (PowerSGD's ``Q``) stay as they were, and no compression error is recorded. The worker that
+    saw the values also leaves the state a compressor updates while compressing (DGC's momentum and
+    velocity) of that parameter unchanged (on the other workers it advances), and names the parameters in a warning at the end of the step
+    (:meth:`take_nonfinite`).
+
     Args:
         compressor: shared by all workers (it holds hyper-parameters only).
         error_feedback: resolved flag (see :func:`resolve_error_feedback`).
@@ -66,18 +76,20 @@ class WorkerPipeline:
         self.memory = CompressionMemory()
         self.recorder = recorder if recorder is not None else StepRecorder()
         self.telemetry = False
+        self._nonfinite: list[tuple[str, Finite]] = []
 
-    def context(self, name: str, shape: tuple[int, ...], step: int, rank: int, world_size: int,
-                seed: int) -> CompressContext:
-        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape))
+    def context(self, name: str, shape: tuple[int, ...], step: int, rank: int, world_size: int, seed: int,
+                finite: Finite = True) -> CompressContext:
+        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape), finite)
 
     def dense_protocol(self, view: Tensor, ctx: CompressContext,
                        out: Optional[Tensor]) -> Generator[Round, list, int]:
         """A parameter below the size threshold: averaged uncompressed (DGC adds its momentum first)."""
+        self._note(ctx)
         sent = self.compressor.dense(view, ctx)
         if self.telemetry:
             zero = torch.zeros((), dtype=torch.float64, device=view.device)
-            self.recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel())
+            self.recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel(), ctx.finite)
         (mean,) = yield Round([Mean(sent)], last=True)
         if out is not None:
             out.copy_(mean)
@@ -92,21 +104,44 @@ class WorkerPipeline:
         """
         if view.numel() > MAX_NUMEL:
             raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
+        self._note(ctx)
         corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
         tensor = view if corrected is None else corrected
         outcome: Outcome = yield from self.compressor.exchange(tensor, ctx)
         if corrected is not None:
-            self._remember(ctx.name, corrected, outcome)
-        elif self.telemetry:
+            self._remember(ctx, corrected, outcome)
+        elif self.telemetry and ctx.finite is not False:
             error_sq, input_sq = self.compressor.compression_error(tensor, outcome, ctx)
-            self.recorder.add(ctx.name, error_sq, input_sq, outcome.count, view.numel())
+            self.recorder.add(ctx.name, error_sq, input_sq, outcome.count, view.numel(), ctx.finite)
         if out is not None:
             outcome.write(out)
         return outcome.count
 
-    def _remember(self, name: str, corrected: Tensor, outcome: Outcome) -> None:
+    def take_nonfinite(self) -> list[str]:
+        """Names of the parameters whose gradient was not finite since the last call (on accelerators
+        this reads the flags back from the device: call it after the step)."""
+        entries, self._nonfinite = self._nonfinite, []
+        return [name for name, finite in entries if finite is False or (isinstance(finite, Tensor) and not bool(finite))]
+
+    def _note(self, ctx: CompressContext) -> None:
+        if ctx.finite is not True:
+            self._nonfinite.append((ctx.name, ctx.finite))
+
+    def _remember(self, ctx: CompressContext, corrected: Tensor, outcome: Outcome) -> None:
         """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""
-        input_sq = squared_norm(corrected) if self.telemetry else None
-        residual = self.memory.update(name, corrected, outcome.subtract)
-        if input_sq is not None:
-            self.recorder.add(name, squared_norm(residual), input_sq, outcome.count, corrected.numel())
+        input_sq = squared_norm(corrected) if self.telemetry and ctx.finite is not False else None
+        residual = self.memory.update(ctx.name, corrected, outcome.subtract, ctx.finite)
+        if input_sq is not None and residual is not None:
+            self.recorder.add(ctx.name, squared_norm(residual), input_sq, outcome.count, corrected.numel(), ctx.finite)
+
+
+def warn_nonfinite(names: list[str], rank: int, step: int) -> None:
+    """The warning of a worker that saw non-finite gradients (see :class:`WorkerPipeline`)."""
+    if names:
+        warnings.warn(
+            f"gradcomp: non-finite gradient (NaN or Inf) on rank {rank} at step {step} in {', '.join(names)}: the "
+            "exchanged gradients of their buckets are NaN on every rank (AMP's GradScaler skips such a step on every "
+            "rank), and this rank's compression memory for them is unchanged",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -18,15 +18,25 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
-from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
+from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.options import (
+    check_bucket_cap_mb,
+    check_ddp_flags,
+    check_log_stats,
+    check_process_group_backend,
+    check_timeout,
+    exchange_options,
+)
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.stats import StepStats
 
 if TYPE_CHECKING:
     from lightning_gradcomp.simulation import GradCompSimStrategy
 
-_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
+_DDP_KWARGS = frozenset(_DDP_SIGNATURE) - {"self", "module"}
+_DDP_DEFAULTS = {name: parameter.default for name, parameter in _DDP_SIGNATURE.items()}
 #: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
 _STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -50,6 +60,11 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         seed: base seed of the compressors' generators; identical on all ranks.
         log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
+        exchange_thread: exchange buckets on a thread of their own, in the order DDP hands them over, so
+            compression and communication overlap the rest of backward (see
+            :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook.
+        timeout: the process group's timeout (a ``timedelta``, or seconds): a peer that stops answering
+            fails the pending collective on every other rank after this long.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
     """
 
@@ -62,13 +77,14 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         log_stats: bool = True,
+        exchange_thread: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         ddp_comm_state: Optional[object] = None,
         ddp_comm_hook: Optional[Callable] = None,
@@ -93,25 +109,21 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         for name in _STRATEGY_OWNED_DDP_KWARGS:
             if kwargs.pop(name, None) is not None:
                 raise ValueError(f"`{name}` is set by the strategy from the Trainer's devices; allowed: None")
-        bucket_cap_mb = kwargs.get("bucket_cap_mb")
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0):
-            raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {bucket_cap_mb!r}")
-        if error_feedback not in (None, True, False):
-            raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
+        check_bucket_cap_mb(kwargs.get("bucket_cap_mb"))
+        check_ddp_flags(kwargs, _DDP_DEFAULTS)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver', got {start_method!r}"
             )
-        self.compressor = get_compressor(compressor)
-        if error_feedback and self.compressor.owns_residual:
-            raise ValueError(
-                f"`error_feedback` must be None or False with {type(self.compressor).__name__}, which keeps its own "
-                "residual (allowed: None, False)"
-            )
-        self.error_feedback = error_feedback
-        self.min_compress_numel = check_int(min_compress_numel, "min_compress_numel", 0)
-        self.seed = check_int(seed, "seed", 0)
-        self.log_stats = bool(log_stats)
+        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.compressor = options.compressor
+        self.error_feedback = options.error_feedback
+        self.min_compress_numel = options.min_compress_numel
+        self.seed = options.seed
+        self.log_stats = check_log_stats(log_stats)
+        self.exchange_thread = check_bool(exchange_thread, "exchange_thread")
+        process_group_backend = check_process_group_backend(process_group_backend)
+        timeout = check_timeout(timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -174,9 +186,15 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             error_feedback=self.error_feedback,
             min_compress_numel=self.min_compress_numel,
             seed=self.seed,
+            exchange_thread=self.exchange_thread,
         )
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
+
+    def teardown(self) -> None:
+        if self.hook_state is not None:
+            self.hook_state.close()
+        super().teardown()
 
     # ------------------------------------------------------------------ per-step figures
     def optimizer_step(

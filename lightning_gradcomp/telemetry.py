@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -58,7 +58,11 @@ class StepRecorder:
     def __init__(self) -> None:
         self._entries: list[tuple[str, Tensor, Tensor, int, int]] = []
 
-    def add(self, name: str, error_sq: Tensor, grad_sq: Tensor, count: int, numel: int) -> None:
+    def add(self, name: str, error_sq: Tensor, grad_sq: Tensor, count: int, numel: int, finite: Any = True) -> None:
+        """Record one parameter; a step whose gradient was not finite (``finite`` a 0-d tensor on
+        accelerators) counts as zero, so totals stay finite."""
+        if isinstance(finite, Tensor):
+            error_sq, grad_sq = (torch.where(finite, value, torch.zeros_like(value)) for value in (error_sq, grad_sq))
         self._entries.append((name, error_sq.detach(), grad_sq.detach(), count, numel))
 
     def resolve(self, stats: StepStats, per_layer: bool) -> None:

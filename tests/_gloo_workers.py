@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -130,8 +131,8 @@ def check_topk_ratio_is_fifty(rank: int, world_size: int) -> None:
     with CollectiveSpy() as spy:
         _exchange(state, [param], _local_grads(rank, [(1000, 400)], step=0))
     stats = state.take_step_stats()
-    assert spy.bytes == stats.bytes_sent == 4000 * 8
-    assert stats.compression_ratio == 50.0
+    assert spy.bytes == stats.bytes_sent == 4000 * 8 + 8  # + the bucket's finiteness flag, aligned to 8
+    assert stats.compression_ratio == pytest.approx(50.0, rel=1e-3)
     assert stats.density == 0.01
 
 
@@ -266,3 +267,34 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
         assert simulated_bytes == real_bytes, (name, simulated_bytes, real_bytes)
         for (n, real), (_, simulated) in zip(model.named_parameters(), twin.named_parameters()):
             torch.testing.assert_close(simulated, real, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
+
+
+def check_nonfinite_propagates(rank: int, world_size: int, names: list[str]) -> None:
+    """A NaN in rank 1's gradient: the bucket is NaN on both ranks, only rank 1 warns, and both ranks'
+    residuals are unchanged."""
+    import warnings
+
+    from lightning_gradcomp.compressors import COMPRESSORS
+
+    shapes = [(64, 48), (300,)]
+    params = [torch.empty(s) for s in shapes]
+    names_by_id = {id(p): f"p{i}" for i, p in enumerate(params)}
+    for name in names:
+        state = GradCompHookState(COMPRESSORS[name](**conformance_settings().get(name, {})), names_by_id,
+                                  min_compress_numel=1024)
+        _exchange(state, params, _local_grads(rank, shapes, step=0))
+        state.take_step_stats()
+        before = {k: v.clone() for k, v in state.memory.residuals.items()}
+        grads = _local_grads(rank, shapes, step=1)
+        if rank == 1:
+            grads[0][2, 3] = float("nan")
+        result = _exchange(state, params, grads)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state.take_step_stats()
+        warned = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+        assert torch.isnan(result).all(), (name, rank)
+        assert (len(warned) == 1 and "rank 1 at step 2 in p0" in warned[0]) if rank == 1 else not warned, warned
+        for key, value in before.items():
+            assert torch.equal(state.memory.residuals[key], value), (name, key, rank)
+        state.close()

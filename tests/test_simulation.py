@@ -35,7 +35,8 @@ def test_each_worker_has_its_own_residual_and_each_obeys_the_invariant() -> None
     r = [p.memory.residuals["w"] for p in exchange.pipelines]
     assert not torch.equal(r[0], r[1]) and not torch.equal(r[1], r[2])
     assert exchange.step_stats.density == pytest.approx(0.1)
-    assert exchange.step_stats.bytes_sent == 20 * 8  # 20 values + 20 int32 indices per worker
+    # 20 values + 20 int32 indices per worker, and the 4-byte finiteness flag (the buffer aligned to 8)
+    assert exchange.step_stats.bytes_sent == 20 * 8 + 8
 
 
 def test_data_dependent_sizes_count_the_header_and_the_largest_worker() -> None:
@@ -44,8 +45,9 @@ def test_data_dependent_sizes_count_the_header_and_the_largest_worker() -> None:
     exchange.add_worker(1, [("w", torch.tensor([5.0] * 2 + [0.0] * 18))])
     exchange.finish_step()
     stats = exchange.step_stats
-    assert stats.collectives == [("all_gather", 4), ("all_gather", 80)]  # count header, then padded payloads
-    assert stats.bytes_sent == 84 and stats.elements_sent == 6
+    # count header, then the payloads padded to the largest worker, with the finiteness flag (aligned to 8)
+    assert stats.collectives == [("all_gather", 4), ("all_gather", 88)]
+    assert stats.bytes_sent == 92 and stats.elements_sent == 6
 
 
 def test_distributed_order_batches_interleave_the_ranks() -> None:
@@ -109,7 +111,8 @@ def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
     data = TensorDataset(torch.randn(10, 4, 4))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        strategy=GradCompSimStrategy(workers=3, compressor="none", batch_dim=1))
+                        strategy=GradCompSimStrategy(workers=3, compressor="none", batch_dim=1,
+                                                     uneven_batches="error"))
     with pytest.raises(ValueError, match="a batch of 4 samples cannot be split equally among 3 workers"):
         trainer.fit(TinyLSTM(), DataLoader(data, batch_size=None))
 

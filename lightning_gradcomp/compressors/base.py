@@ -35,7 +35,7 @@ import math
 from abc import ABC
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -77,6 +77,8 @@ class CompressContext:
         seed: base seed, identical on every rank.
         state: persistent per-parameter, per-worker state owned by the compressor (checkpointed).
         shape: the parameter's shape (the tensor handed to the compressor is flat); ``()`` if unknown.
+        finite: whether this worker's gradient is finite (see :func:`all_finite`). A compressor that keeps
+            state must leave it unchanged when it is not (:func:`keep_if_finite`).
     """
 
     name: str
@@ -86,6 +88,7 @@ class CompressContext:
     seed: int = 0
     state: dict[str, Tensor] = field(default_factory=dict)
     shape: tuple[int, ...] = ()
+    finite: "Finite" = True
 
     def generator(self, device: torch.device, *, per_rank: bool) -> torch.Generator:
         """A fresh generator seeded from ``(seed, step, name[, rank])``; the global RNG is never touched.
@@ -264,16 +267,32 @@ def sparse_count(density: float, numel: int) -> int:
     return max(1, min(numel, int(round(density * numel))))
 
 
-def keep_finite(new: Tensor, previous: Optional[Tensor]) -> Tensor:
-    """``new`` where finite, else ``previous`` (or 0): state never turns NaN/Inf because of one bad step.
+#: Whether a gradient is finite: a Python bool on CPU, a 0-d bool tensor on accelerators (no host sync).
+Finite = Union[bool, Tensor]
 
-    On CPU a single check skips the element-wise selection in the usual all-finite case; on GPUs the
-    selection is always made, to avoid a host synchronisation.
+
+def all_finite(tensor: Tensor) -> Finite:
+    """Whether every element of ``tensor`` is finite, in one reduction pass.
+
+    A sum is NaN or infinite whenever an element is (``inf - inf`` is NaN), so one sum (in fp32 for 16-bit
+    inputs) decides; a sum that overflows although every element is finite (values near 1e38) also
+    counts as non-finite, which the averaged result would be anyway. On CPU the answer is a bool; on
+    other devices a 0-d tensor, so that the hook never waits for the device.
     """
-    if new.device.type == "cpu" and bool(torch.isfinite(new).all()):
+    total = tensor.sum(dtype=torch.float32) if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.sum()
+    finite = torch.isfinite(total)
+    return bool(finite) if tensor.device.type == "cpu" else finite
+
+
+def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:
+    """``new`` if ``finite``, else ``previous`` (``None``: nothing yet): state is never replaced by the
+    result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync)."""
+    if finite is True:
         return new
-    fallback = previous if previous is not None and previous.shape == new.shape else 0.0
-    return torch.where(torch.isfinite(new), new, fallback)
+    if finite is False:
+        return previous
+    fallback = previous if previous is not None and previous.shape == new.shape else torch.zeros_like(new)
+    return torch.where(finite, new, fallback)
 
 
 def check_density(density: float, parameter: str = "density") -> float:
@@ -289,6 +308,13 @@ def check_int(value: int, parameter: str, low: int, high: Optional[int] = None) 
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         raise ValueError(f"`{parameter}` must be {allowed}, got {value!r}")
+    return value
+
+
+def check_bool(value: bool, parameter: str) -> bool:
+    """Validate a boolean (strings such as ``"no"`` are refused, not read as True)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{parameter}` must be True or False, got {value!r}")
     return value
 
 

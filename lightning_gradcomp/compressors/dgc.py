@@ -9,7 +9,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Payload, check_density, keep_finite, sparse_count, squared_norm
+from lightning_gradcomp.compressors.base import (
+    CompressContext,
+    Payload,
+    check_bool,
+    check_density,
+    keep_if_finite,
+    sparse_count,
+    squared_norm,
+)
 from lightning_gradcomp.exchange.protocol import Outcome
 from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
@@ -76,8 +84,8 @@ class DGC(HasDensity, _ValuesAndIndices):
             raise ValueError(f"`selection` must be 'sampled' or 'exact', got {selection!r}")
         self.momentum = float(momentum)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
-        self.scale_clip_by_workers = bool(scale_clip_by_workers)
-        self.nesterov = bool(nesterov)
+        self.scale_clip_by_workers = check_bool(scale_clip_by_workers, "scale_clip_by_workers")
+        self.nesterov = check_bool(nesterov, "nesterov")
         self.selection = selection
         self.sample_fraction = check_density(sample_fraction, "sample_fraction")
 
@@ -112,39 +120,54 @@ class DGC(HasDensity, _ValuesAndIndices):
                 )
 
     # ------------------------------------------------------------------ the algorithm
-    def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, bool]:
-        """Clip, then ``u <- m u + g``. Returns the increment of ``v`` and whether the state may be
-        updated in place (a finite gradient on CPU: nothing can turn the state non-finite, and in-place
-        updates spare several allocations of the tensor's size)."""
+    def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, Tensor, bool]:
+        """Clip, then ``u <- m u + g``. Returns the increment of ``v``, the new ``u`` (not yet stored, see
+        :meth:`_store`) and whether the state may be updated in place (a finite gradient on CPU: nothing
+        can turn the state non-finite, and in-place updates spare several allocations of the tensor's size)."""
         grad = grad.float() if grad.dtype != torch.float32 and grad.dtype != torch.float64 else grad
         if self.clip_norm is not None:
             limit = self.clip_norm * (ctx.world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
             norm = torch.linalg.vector_norm(grad)
             grad = grad * torch.clamp(limit / (norm + 1e-12), max=1.0)
-        in_place = grad.device.type == "cpu" and bool(torch.isfinite(grad).all())
+        in_place = grad.device.type == "cpu" and ctx.finite is True
         previous = ctx.state.get(MOMENTUM)
         if previous is None or previous.shape != grad.shape:
-            momentum = keep_finite(grad.clone(), None)
+            momentum = grad.clone()
         elif in_place:
             momentum = previous.mul_(self.momentum).add_(grad)
         else:
-            momentum = keep_finite(previous * self.momentum + grad, previous)
-        ctx.state[MOMENTUM] = momentum
+            momentum = previous * self.momentum + grad
         increment = grad + self.momentum * momentum if self.nesterov else momentum
-        return increment, in_place
+        return increment, momentum, in_place
+
+    @staticmethod
+    def _store(ctx: CompressContext, key: str, new: Optional[Tensor], previous: Optional[Tensor]) -> None:
+        """Keep ``new`` as state, unless the gradient was not finite (then ``previous`` stays)."""
+        kept = new if new is None else keep_if_finite(new, previous, ctx.finite)
+        if kept is None:
+            ctx.state.pop(key, None)
+        else:
+            ctx.state[key] = kept
 
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """Tensors sent dense still receive momentum: momentum SGD, nothing delayed."""
-        return self._momentum_update(tensor, ctx)[0].to(tensor.dtype, copy=True)
+        previous = ctx.state.get(MOMENTUM)
+        increment, momentum, _ = self._momentum_update(tensor, ctx)
+        self._store(ctx, MOMENTUM, momentum, previous)
+        return increment.to(tensor.dtype, copy=True)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
-        increment, in_place = self._momentum_update(tensor, ctx)
-        previous_velocity = ctx.state.get(VELOCITY)
+        previous_momentum, previous_velocity = ctx.state.get(MOMENTUM), ctx.state.get(VELOCITY)
+        increment, momentum, in_place = self._momentum_update(tensor, ctx)
         if k == numel:  # density 1: momentum SGD, nothing delayed, no masking; a velocity left over is sent too
             sent = increment if previous_velocity is None else increment + previous_velocity
-            ctx.state.pop(VELOCITY, None)
+            self._store(ctx, MOMENTUM, momentum, previous_momentum)
+            if ctx.finite is True:  # the velocity was flushed
+                ctx.state.pop(VELOCITY, None)
+            elif previous_velocity is not None:
+                self._store(ctx, VELOCITY, torch.zeros_like(previous_velocity), previous_velocity)
             return Payload((sent.to(tensor.dtype, copy=True), increment.new_empty(0, dtype=torch.int32)), numel, numel)
         if previous_velocity is None or previous_velocity.shape != increment.shape:
             velocity = increment.clone()
@@ -166,9 +189,10 @@ class DGC(HasDensity, _ValuesAndIndices):
             indices = torch.cat([indices, pad_index.expand(missing)])
             values = torch.cat([values, values.new_zeros(missing)])
         payload = Payload((values.to(tensor.dtype), indices.to(torch.int32)), numel, k)
-        velocity.index_fill_(0, selected, 0.0)  # momentum-factor masking; velocity is this step's own tensor
-        ctx.state[VELOCITY] = velocity if in_place else keep_finite(velocity, previous_velocity)
-        ctx.state[MOMENTUM].index_fill_(0, selected, 0.0)
+        velocity.index_fill_(0, selected, 0.0)  # momentum-factor masking, on this step's own tensors
+        momentum.index_fill_(0, selected, 0.0)
+        self._store(ctx, VELOCITY, velocity, previous_velocity)
+        self._store(ctx, MOMENTUM, momentum, previous_momentum)
         return payload
 
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:

@@ -10,7 +10,14 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, check_int
+from lightning_gradcomp.compressors.base import (
+    CompressContext,
+    Compressor,
+    all_finite,
+    check_bool,
+    check_int,
+    keep_if_finite,
+)
 from lightning_gradcomp.exchange.protocol import Mean, Outcome, Protocol, Round
 
 Q_STATE = "q"
@@ -58,9 +65,7 @@ class PowerSGD(Compressor):
                  min_compression_rate: float = 2.0) -> None:
         self.rank = rank
         self.start_step = check_int(start_step, "start_step", 0)
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"`warm_start` must be True or False, got {warm_start!r}")
-        self.warm_start = warm_start
+        self.warm_start = check_bool(warm_start, "warm_start")
         if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
                 or not 1.0 <= min_compression_rate < math.inf:
             raise ValueError(f"`min_compression_rate` must be a finite number >= 1, got {min_compression_rate!r}")
@@ -114,7 +119,7 @@ class PowerSGD(Compressor):
         p_hat = orthogonalize(p_mean.clone())
         (q_mean,) = yield Round([Mean(local.T @ p_hat)], last=True)
         if self.warm_start:
-            self._keep_q(ctx, q_mean)
+            self._keep_q(ctx, q_mean, m, r)
 
         def subtract(residual: Tensor) -> None:
             residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
@@ -132,13 +137,17 @@ class PowerSGD(Compressor):
         return torch.randn(m, r, generator=generator, device=device, dtype=dtype)
 
     @staticmethod
-    def _keep_q(ctx: CompressContext, q_mean: Tensor) -> None:
-        # A non-finite Q would poison every later step: start afresh instead (on GPU this check is a sync,
-        # on an m x r matrix once per step).
-        if bool(torch.isfinite(q_mean).all()):
-            ctx.state[Q_STATE] = q_mean.clone()
-        else:
+    def _keep_q(ctx: CompressContext, q_mean: Tensor, m: int, r: int) -> None:
+        """Warm start: keep the averaged ``Q``. When any worker's gradient was not finite the average is
+        NaN on every worker, so each keeps its last ``Q`` (or none), all alike."""
+        previous = ctx.state.get(Q_STATE)
+        previous = previous if previous is not None and previous.shape == (m, r) else None
+        finite = all_finite(q_mean)
+        kept = keep_if_finite(q_mean.clone(), previous, finite)
+        if kept is None:
             ctx.state.pop(Q_STATE, None)
+        else:
+            ctx.state[Q_STATE] = kept
 
 
 def orthogonalize(matrix: Tensor) -> Tensor:

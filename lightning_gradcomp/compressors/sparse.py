@@ -16,6 +16,7 @@ from lightning_gradcomp.compressors.base import (
     CompressContext,
     Compressor,
     Payload,
+    check_bool,
     check_density,
     sparse_count,
 )
@@ -95,9 +96,7 @@ class RandomK(HasDensity, _ValuesAndIndices):
 
     def __init__(self, density: float = 0.01, shared_indices: bool = True) -> None:
         self.density = density
-        if not isinstance(shared_indices, bool):
-            raise ValueError(f"`shared_indices` must be True or False, got {shared_indices!r}")
-        self.shared_indices = shared_indices
+        self.shared_indices = check_bool(shared_indices, "shared_indices")
 
     def hparams(self) -> dict[str, Any]:
         return {"density": self.density, "shared_indices": self.shared_indices}

@@ -92,6 +92,17 @@ class TorchDriver(_ByteCounter):
             return _completed(finish(None))
         return torch.futures.collect_all([future for future, _, _ in issued]).then(finish)
 
+    def drive(self, protocol: BucketProtocol) -> BucketReport:
+        """Drive ``protocol`` to its end, waiting on every round (for an exchange thread)."""
+        results = None
+        while True:
+            try:
+                turn = protocol.send(results)
+            except StopIteration as stop:
+                return stop.value
+            issued = [self._issue(collective) for collective in turn.collectives]
+            results = [self._wait(*item) for item in issued]
+
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective]:
         self.count(collective)
         tensor = collective.tensor

@@ -24,6 +24,7 @@ exchanged in the headers, so it is the same on every worker: drivers may issue i
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Generator, Iterator, Literal, Optional, Sequence
@@ -31,6 +32,7 @@ from typing import Generator, Iterator, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.base import CompressContext, Finite, all_finite
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.protocol import Gather, Mean, Received, Round
 from lightning_gradcomp.pipeline import WorkerPipeline
@@ -100,32 +102,39 @@ class ExchangeEngine:
         """The exchange of one bucket (a generator run by a driver)."""
         entries = sorted(entries, key=lambda entry: entry.name)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        protocols = [self._protocol(entry, step, rank, world_size) for entry in entries]
+        finite = [all_finite(entry.grad) for entry in entries]
+        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed, ok)
+                    for entry, ok in zip(entries, finite)]
+        protocols = [self._protocol(entry, ctx) for entry, ctx in zip(entries, contexts)]
         sent = [0] * len(entries)
         with self._clock(self.compress_clock, device):
             pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
         while pending:
             final = all(turn.last for turn in pending.values())
-            merged = _MergedRound(pending, world_size, device)
+            merged = _MergedRound(pending, world_size, device, _poison_flag(finite, device) if final else None)
             if merged.needs_header:
                 (counts,) = yield CollectiveRound([Collective("all_gather", merged.header())], final=False)
                 merged.read_header(counts)
             results = yield CollectiveRound(merged.collectives(), final)
+            per_tensor = merged.split(results)
+            if final:
+                _skip_memory_if_poisoned(contexts, merged.poison)
             with self._clock(self.decompress_clock if final else self.compress_clock, device):
-                pending = _advance(protocols, merged.split(results), sent, previous=pending)
+                pending = _advance(protocols, per_tensor, sent, previous=pending)
             if final and pending:
                 raise RuntimeError(
                     f"gradcomp: the protocol of {entries[next(iter(pending))].name!r} went on after a round it "
                     "marked last"
                 )
+            if final:
+                _poison(entries, merged.poison)
         return BucketReport(
             elements_sent=sum(sent),
             elements_total=sum(entry.grad.numel() for entry in entries),
             bytes_dense=sum(entry.grad.numel() * entry.grad.element_size() for entry in entries),
         )
 
-    def _protocol(self, entry: Entry, step: int, rank: int, world_size: int) -> Generator[Round, list, int]:
-        ctx = self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed)
+    def _protocol(self, entry: Entry, ctx: CompressContext) -> Generator[Round, list, int]:
         if entry.grad.numel() < self.min_compress_numel:
             return self.pipeline.dense_protocol(entry.grad, ctx, entry.out)
         return self.pipeline.protocol(entry.grad, ctx, entry.out)
@@ -152,12 +161,54 @@ def _advance(protocols: list[Generator[Round, list, int]], results: dict[int, Op
     return pending
 
 
+def _poison_flag(finite: list[Finite], device: torch.device) -> Tensor:
+    """One element that rides with the bucket's final round: 0, or NaN when a gradient of this worker
+    was not finite. Summed over workers, it is NaN when any worker's was."""
+    if all(flag is True for flag in finite):
+        return torch.zeros(1, device=device)
+    if any(flag is False for flag in finite):
+        return torch.full((1,), math.nan, device=device)
+    ok = torch.stack([torch.as_tensor(flag, device=device) for flag in finite]).all()
+    return torch.where(ok, 0.0, math.nan).reshape(1).to(device=device, dtype=torch.float32)
+
+
+def _skip_memory_if_poisoned(contexts: Sequence[CompressContext], flag: Tensor) -> None:
+    """When any worker's gradient in the bucket was not finite, no worker updates its memory for the
+    bucket (the step is void everywhere, as AMP's GradScaler makes it): every context is marked
+    non-finite before the protocols finish."""
+    if flag.device.type == "cpu":
+        if not math.isfinite(float(flag)):
+            for ctx in contexts:
+                ctx.finite = False
+        return
+    clean = torch.isfinite(flag)
+    for ctx in contexts:
+        ctx.finite = clean if ctx.finite is True else (clean & ctx.finite if ctx.finite is not False else False)
+
+
+def _poison(entries: Sequence[Entry], flag: Tensor) -> None:
+    """Make the bucket's results NaN on every worker when any worker's gradient was not finite (as DDP's
+    all-reduce would carry a NaN); on accelerators by adding the flag (no host sync)."""
+    outs = [entry.out for entry in entries if entry.out is not None]
+    if flag.device.type == "cpu":
+        if not math.isfinite(float(flag)):
+            for out in outs:
+                out.fill_(math.nan)
+        return
+    for out in outs:
+        out.add_(flag.to(out.dtype))
+
+
 class _MergedRound:
     """The requests of one round of every pending tensor, merged into one collective per kind and dtype."""
 
-    def __init__(self, pending: dict[int, Round], world_size: int, device: torch.device) -> None:
+    def __init__(self, pending: dict[int, Round], world_size: int, device: torch.device,
+                 flag: Optional[Tensor] = None) -> None:
         self.world_size = world_size
         self.device = device
+        self.flag = flag  # the final round's poison flag (see _poison_flag)
+        self.flag_place: Optional[str] = None
+        self.poison = torch.zeros((), device=device)
         self.means: dict[torch.dtype, list[tuple[int, int, Mean]]] = {}
         self.gathers: list[tuple[int, int, Gather]] = []
         self.shapes: dict[int, int] = {}
@@ -202,41 +253,57 @@ class _MergedRound:
 
     # ------------------------------------------------------------------ collectives
     def collectives(self) -> list[Collective]:
+        """The round's collectives; the final round's flag rides in the first all-reduce, else in the
+        gathered buffer, else alone."""
         ops = []
-        for requests in self.means.values():
-            flat = torch.cat([request.tensor.reshape(-1) for _, _, request in requests])
+        self.flag_place = None if self.flag is None else ("means" if self.means else
+                                                          "gather" if self.gathers else "alone")
+        for position, requests in enumerate(self.means.values()):
+            tensors = [request.tensor.reshape(-1) for _, _, request in requests]
+            if self.flag_place == "means" and position == 0:
+                tensors.append(self.flag.to(tensors[0].dtype))
+            flat = torch.cat(tensors)
             if self.world_size > 1:
                 flat.div_(self.world_size)
             ops.append(Collective("all_reduce", flat))
         if self.gathers:
-            self.gather_layouts = [wire.layout(specs) for specs in self._all_specs()]
+            extra: list[list[wire.PartSpec]] = [[(torch.float32, 1)]] if self.flag_place == "gather" else []
+            self.gather_layouts = [wire.layout(specs + extra) for specs in self._all_specs()]
             longest = max(total for _, total in self.gather_layouts)
             if longest > 0:  # else nothing was selected anywhere: the counts said it all
-                own_slots, _ = wire.layout([_specs(request, request.count) for _, _, request in self.gathers])
-                buffer = wire.serialize([request.parts for _, _, request in self.gathers], own_slots, longest,
-                                        self.device)
-                ops.append(Collective("all_gather", buffer))
+                own = [_specs(request, request.count) for _, _, request in self.gathers] + extra
+                parts = [request.parts for _, _, request in self.gathers] + ([(self.flag,)] if extra else [])
+                ops.append(Collective("all_gather", wire.serialize(parts, wire.layout(own)[0], longest, self.device)))
+        if self.flag_place == "alone":
+            ops.append(Collective("all_reduce", self.flag.clone()))
         return ops
 
     def split(self, results: list[Tensor]) -> dict[int, list]:
-        """Each tensor's results, in the order of its requests."""
+        """Each tensor's results, in the order of its requests (and the flag's sum in :attr:`poison`)."""
         per_tensor: dict[int, list] = {index: [None] * size for index, size in self.shapes.items()}
         results_iter: Iterator[Tensor] = iter(results)
-        for requests in self.means.values():
+        for position, requests in enumerate(self.means.values()):
             summed = next(results_iter)
+            if self.flag_place == "means" and position == 0:
+                self.poison, summed = summed[-1], summed[:-1]
             pieces = summed.split([request.tensor.numel() for _, _, request in requests])
-            for (index, position, request), piece in zip(requests, pieces):
-                per_tensor[index][position] = piece.view(request.tensor.shape)
+            for (index, position_in_tensor, request), piece in zip(requests, pieces):
+                per_tensor[index][position_in_tensor] = piece.view(request.tensor.shape)
         if self.gathers:
             rows = next(results_iter, None)
             received: list[list[Received]] = [[] for _ in self.gathers]
             for rank, (slots, _) in enumerate(self.gather_layouts):
                 row = rows[rank] if rows is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
                 counts = self.rank_counts[rank] if self.rank_counts is not None else [None] * len(self.gathers)
-                for request_index, parts in enumerate(wire.deserialize(row, slots)):
+                payloads = wire.deserialize(row, slots)
+                if self.flag_place == "gather":
+                    self.poison = self.poison + payloads.pop()[0][0]
+                for request_index, parts in enumerate(payloads):
                     received[request_index].append(Received(parts, counts[request_index]))
             for (index, position, _), rows_of_request in zip(self.gathers, received):
                 per_tensor[index][position] = rows_of_request
+        if self.flag_place == "alone":
+            self.poison = next(results_iter)[0]
         return per_tensor
 
 

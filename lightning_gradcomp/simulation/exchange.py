@@ -11,7 +11,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
-from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback
+from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.telemetry import StepRecorder
 
@@ -90,6 +90,8 @@ class SimulatedExchange:
         """The averaged gradients of this step, by parameter name; the step's figures go to
         :attr:`step_stats` and :attr:`totals`."""
         reports = self.driver.finish()
+        for worker, pipeline in enumerate(self.pipelines):
+            warn_nonfinite(pipeline.take_nonfinite(), worker, self.step + 1)
         logs = [counter.take_log() for counter in self.driver.counters]
         workers = self.workers
         stats = StepStats(

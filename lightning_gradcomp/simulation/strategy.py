@@ -14,8 +14,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
-from lightning_gradcomp.compressors.base import Compressor, check_int, get_compressor
-from lightning_gradcomp.pipeline import check_fit_setup, resolve_error_feedback
+from lightning_gradcomp.compressors.base import Compressor, check_int
+from lightning_gradcomp.options import check_log_stats, exchange_options
+from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.simulation.exchange import SimulatedExchange
 from lightning_gradcomp.stats import StepStats
 
@@ -46,9 +47,11 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         compressor, error_feedback, min_compress_numel, seed, log_stats: as for
             :class:`~lightning_gradcomp.GradCompStrategy`.
         batch_dim: the dimension along which batches are split (1 for ``(seq, batch)`` layouts).
-        uneven_batches: ``"error"`` (default) refuses a batch whose size is not divisible by
-            ``workers``; ``"split"`` lets ``torch.tensor_split`` make the parts differ by one sample
-            (each worker still weighs ``1/N``, as in DDP).
+        uneven_batches: what happens to a batch whose size is not divisible by ``workers`` (typically
+            the last one of an epoch): ``"pad"`` (default) repeats its first samples up to the next
+            multiple, as DDP's ``DistributedSampler`` pads the data set so that every rank gets as many
+            samples; ``"split"`` lets ``torch.tensor_split`` make the parts differ by one sample (each
+            worker still weighs ``1/N``); ``"error"`` refuses it.
         device: the device; default: the accelerator's first device.
     """
 
@@ -63,24 +66,22 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         seed: int = 0,
         log_stats: bool = True,
         batch_dim: int = 0,
-        uneven_batches: Literal["error", "split"] = "error",
+        uneven_batches: Literal["pad", "split", "error"] = "pad",
         device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
         self.workers = check_int(workers, "workers", 1)
-        self.compressor = get_compressor(compressor)
-        resolve_error_feedback(self.compressor, error_feedback)
-        if error_feedback not in (None, True, False):
-            raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
-        self.error_feedback = error_feedback
-        self.min_compress_numel = check_int(min_compress_numel, "min_compress_numel", 0)
-        self.seed = check_int(seed, "seed", 0)
-        self.log_stats = bool(log_stats)
+        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.compressor = options.compressor
+        self.error_feedback = options.error_feedback
+        self.min_compress_numel = options.min_compress_numel
+        self.seed = options.seed
+        self.log_stats = check_log_stats(log_stats)
         self.batch_dim = check_int(batch_dim, "batch_dim", 0)
-        if uneven_batches not in ("error", "split"):
-            raise ValueError(f"`uneven_batches` must be 'error' or 'split', got {uneven_batches!r}")
+        if uneven_batches not in ("pad", "split", "error"):
+            raise ValueError(f"`uneven_batches` must be 'pad', 'split' or 'error', got {uneven_batches!r}")
         self.uneven_batches = uneven_batches
         self._device_given = device is not None
         super().__init__(device=device if device is not None else "cpu", accelerator=accelerator,
@@ -114,6 +115,12 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: Any) -> None:
+        if trainer.num_devices > 1 or trainer.num_nodes > 1:
+            raise ValueError(
+                f"GradCompSimStrategy simulates {self.workers} workers in one process on one device; got "
+                f"devices={trainer.num_devices}, num_nodes={trainer.num_nodes} (allowed: 1). For real processes "
+                "use strategy='gradcomp' (GradCompStrategy)."
+            )
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -182,14 +189,17 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[self.batch_dim]) if t.dim() > self.batch_dim else None)
         if not sizes:
             raise ValueError(f"GradCompSimStrategy: the batch holds no tensor with a dimension {self.batch_dim} to split")
-        if self.uneven_batches == "error" and any(size % self.workers for size in sizes):
+        uneven = any(size % self.workers for size in sizes)
+        if uneven and self.uneven_batches == "error":
             raise ValueError(
                 f"GradCompSimStrategy: a batch of {sizes[0]} samples cannot be split equally among {self.workers} "
-                f"workers; use a batch size divisible by `workers`, drop_last=True, or uneven_batches='split'"
+                f"workers; use a batch size divisible by `workers`, drop_last=True, or uneven_batches='pad' or 'split'"
             )
-        if min(sizes) < self.workers:
+        if uneven and self.uneven_batches == "pad":
+            batch = apply_to_collection(batch, Tensor, partial(_pad, dim=self.batch_dim, multiple=self.workers))
+        elif min(sizes) < self.workers:
             raise ValueError(f"GradCompSimStrategy: a batch of {min(sizes)} samples is smaller than `workers` "
-                             f"({self.workers})")
+                             f"({self.workers}); use uneven_batches='pad'")
         return [
             apply_to_collection(batch, Tensor, partial(_part, dim=self.batch_dim, parts=self.workers, index=worker))
             for worker in range(self.workers)
@@ -203,6 +213,17 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
 
     def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:
         self.hook_state.load_state_dicts(ranks, self.root_device)
+
+
+def _pad(tensor: Tensor, dim: int, multiple: int) -> Tensor:
+    """``tensor`` with its first samples repeated along ``dim`` up to a multiple of ``multiple`` (as
+    ``DistributedSampler`` pads the data set with its first samples)."""
+    if tensor.dim() <= dim or tensor.shape[dim] % multiple == 0:
+        return tensor
+    size = tensor.shape[dim]
+    missing = multiple - size % multiple
+    repeats = torch.arange(missing, device=tensor.device) % size
+    return torch.cat([tensor, tensor.index_select(dim, repeats)], dim=dim)
 
 
 def _part(tensor: Tensor, dim: int, parts: int, index: int) -> Tensor:

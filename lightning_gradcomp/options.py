@@ -1,0 +1,85 @@
+"""The options every way in shares (DDP strategy, simulation, raw hook), validated in one place.
+
+Bad input is a ``ValueError`` naming the parameter and the allowed values, raised at construction,
+before any process is started.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+
+from lightning_gradcomp.compressors.base import Compressor, check_bool, check_int, get_compressor
+from lightning_gradcomp.pipeline import resolve_error_feedback
+
+
+@dataclass(frozen=True)
+class ExchangeOptions:
+    """Validated compression options.
+
+    Attributes:
+        compressor: the compressor instance.
+        error_feedback: as given (``None``: the compressor's default; see
+            :func:`~lightning_gradcomp.pipeline.resolve_error_feedback`).
+        min_compress_numel: tensors with fewer elements are sent dense.
+        seed: base seed of the compressors' generators.
+    """
+
+    compressor: Compressor
+    error_feedback: Optional[bool]
+    min_compress_numel: int
+    seed: int
+
+
+def exchange_options(compressor: Union[Compressor, str], error_feedback: Optional[bool] = None,
+                     min_compress_numel: int = 1024, seed: int = 0) -> ExchangeOptions:
+    """Validate the compression options shared by every way in."""
+    compressor = get_compressor(compressor)
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
+    resolve_error_feedback(compressor, error_feedback)
+    return ExchangeOptions(compressor, error_feedback, check_int(min_compress_numel, "min_compress_numel", 0),
+                           check_int(seed, "seed", 0))
+
+
+def check_log_stats(log_stats: bool) -> bool:
+    """``log_stats`` must be a boolean."""
+    return check_bool(log_stats, "log_stats")
+
+
+def check_bucket_cap_mb(value: Any) -> None:
+    """DDP's bucket size: a number of MB > 0 (or ``None`` for DDP's default)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
+        raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {value!r}")
+
+
+def check_process_group_backend(backend: Optional[str]) -> Optional[str]:
+    """``None`` (Lightning's choice: nccl on GPUs, gloo on CPUs) or a backend torch.distributed knows."""
+    allowed = sorted(name for name in getattr(dist.Backend, "backend_list", ["gloo", "nccl", "mpi", "ucc"])
+                     if name != "undefined")
+    if backend is not None and (not isinstance(backend, str) or backend.lower() not in allowed):
+        raise ValueError(f"`process_group_backend` must be None or one of {', '.join(allowed)}, got {backend!r}")
+    return backend
+
+
+def check_timeout(timeout: Any) -> Optional[timedelta]:
+    """A positive ``timedelta``, or a number of seconds > 0 (converted); ``None`` keeps torch's default."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf:
+        return timedelta(seconds=timeout)
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout
+    raise ValueError(f"`timeout` must be a datetime.timedelta > 0 or a number of seconds > 0, got {timeout!r}")
+
+
+def check_ddp_flags(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """DDP arguments whose default is a boolean must be booleans (``"yes"`` is not True)."""
+    for name, value in kwargs.items():
+        if isinstance(defaults.get(name), bool):
+            check_bool(value, name)
