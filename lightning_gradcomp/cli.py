@@ -8,6 +8,9 @@ be given as ``trainer.strategy: gradcomp`` or as a ``class_path`` with a compres
 
 from __future__ import annotations
 
+import os
+import sys
+
 import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
@@ -28,8 +31,35 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
 
 
 def main(args: ArgsType = None) -> None:
-    """Console-script entry point (returns None, so the exit status is 0 on success)."""
-    build_cli(args)
+    """Console-script entry point (returns None, so the exit status is 0 on success).
+
+    A bad value (a ``ValueError``) ends the run with exit status 2 and the messages that name the
+    parameter, without the traceback of the argument parser; ``GRADCOMP_TRACEBACK=1`` shows it.
+    """
+    try:
+        build_cli(args)
+    except ValueError as error:
+        if os.environ.get("GRADCOMP_TRACEBACK"):
+            raise
+        print("gradcomp: invalid configuration:", file=sys.stderr)
+        for line in config_error_lines(str(error)):
+            print(f"  {line}", file=sys.stderr)
+        print("  (set GRADCOMP_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+#: Lines of jsonargparse's union reports that say nothing about the value itself.
+_BOILERPLATE = ("Does not validate against any", "Subtypes:", "Errors:", "Given value", "Expected a <class")
+
+
+def config_error_lines(message: str) -> list[str]:
+    """The lines of a (possibly nested) validation error that explain it, without duplicates."""
+    lines = []
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if line and not line.startswith(_BOILERPLATE) and line not in lines:
+            lines.append(line)
+    return lines or [message]
 
 
 if __name__ == "__main__":  # pragma: no cover

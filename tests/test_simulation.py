@@ -162,7 +162,7 @@ def test_callbacks_work_unchanged_with_the_simulation(lightning_runs) -> None:
     assert all(e.value > 0 for e in events.Scalars("gradcomp/comm_ms_est"))
 
 
-def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
+def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None, workers: int = 2, compressor=None):
     from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
 
     class EpochSeededDigits(DigitsDataModule):  # the order of epoch e depends on (seed, e) only
@@ -171,7 +171,7 @@ def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
 
     L.seed_everything(3, verbose=False)
     model = DigitsClassifier(hidden=64)
-    strategy = GradCompSimStrategy(workers=2, compressor=TopK(0.02))
+    strategy = GradCompSimStrategy(workers=workers, compressor=compressor or TopK(0.02))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, deterministic=True, default_root_dir=tmp_path)
@@ -193,3 +193,18 @@ def test_simulated_run_resumes_with_every_workers_memory(tmp_path) -> None:
     for a, b in zip(whole_strategy.hook_state.pipelines, resumed_strategy.hook_state.pipelines):
         assert torch.equal(a.memory.residuals["net.0.weight"], b.memory.residuals["net.0.weight"])
     assert whole_strategy.hook_state.totals == resumed_strategy.hook_state.totals
+
+
+def test_resume_with_another_worker_count_says_what_is_dropped_and_kept(tmp_path) -> None:
+    from lightning_gradcomp.compressors import DGC
+
+    ckpt = tmp_path / "dgc.ckpt"
+    _, first = _sim_fit(tmp_path, 1, ckpt_out=ckpt, compressor=DGC(0.05, momentum=0.0))
+    steps = first.hook_state.step
+    with pytest.warns(UserWarning) as caught:
+        _, resumed = _sim_fit(tmp_path, 2, ckpt_in=ckpt, workers=3, compressor=DGC(0.05, momentum=0.0))
+    message = next(str(w.message) for w in caught if "gradcomp" in str(w.message))
+    assert "holds error-feedback memory of 2 workers of DGC, this run has 3 of DGC" in message
+    assert "Dropped: every worker's error-feedback residuals and compressor state (momentum, velocity)" in message
+    assert f"Kept: the step counter ({steps}, so random draws do not repeat)" in message
+    assert resumed.hook_state.step == 2 * steps, "the step counter went on from the checkpoint"

@@ -3,6 +3,7 @@ gradient-norm signal (ACCORDION)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
@@ -10,6 +11,7 @@ from typing import Any, Literal, Optional, Sequence
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gradcomp.callbacks._access import strategy_compressor
@@ -40,8 +42,9 @@ def apply_level(trainer: "L.Trainer", level: Level, caller: str) -> None:
 
 
 def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: str) -> None:
-    """Every key of every level must be a settable parameter of the compressor, and an uncompressed
-    level (None) is refused for compressors that carry the optimizer's momentum (DGC)."""
+    """Every key of every level must be a settable parameter of the compressor with a value it accepts
+    (each level is tried on a copy before training), and an uncompressed level (None) is refused for
+    compressors that carry the optimizer's momentum (DGC)."""
     allowed = sorted(compressor.hparams())
     if compressor.owns_residual and any(level is None for level in levels):
         raise ValueError(
@@ -55,6 +58,36 @@ def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: st
                     f"{caller}: a level sets `{key}`, which {type(compressor).__name__} does not have; "
                     f"allowed: {', '.join(allowed)}"
                 )
+        if level is not None:
+            trial = copy.deepcopy(compressor)
+            try:
+                for key, value in level.items():
+                    setattr(trial, key, value)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{caller}: level {level!r} is not valid for {type(compressor).__name__}: {error}") \
+                    from None
+
+
+def _check_thresholds(thresholds: Sequence[float], count: int, mode: str) -> list[float]:
+    """``count`` finite numbers, in the order the metric moves (rising for ``"max"``, falling for ``"min"``)."""
+    if not isinstance(thresholds, (list, tuple)) or len(thresholds) != count:
+        raise ValueError(f"`thresholds` must hold len(levels) - 1 = {count} numbers, got {thresholds!r}")
+    if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) for t in thresholds):
+        raise ValueError(f"`thresholds` must be finite numbers, got {list(thresholds)!r}")
+    ordered = all((b >= a) if mode == "max" else (b <= a) for a, b in zip(thresholds, thresholds[1:]))
+    if not ordered:
+        raise ValueError(f"`thresholds` must be {'non-decreasing' if mode == 'max' else 'non-increasing'} for "
+                         f"mode={mode!r} (each level's bar is passed after the previous one), got {list(thresholds)!r}")
+    return [float(t) for t in thresholds]
+
+
+def check_validation_runs(trainer: "L.Trainer", pl_module: "L.LightningModule", caller: str, monitor: str) -> None:
+    """A schedule that decides after validation needs validation to run."""
+    if trainer.limit_val_batches == 0 or not is_overridden("validation_step", pl_module):
+        raise ValueError(
+            f"{caller} decides after each validation epoch (monitor {monitor!r}), but validation does not run "
+            "(no validation_step, or limit_val_batches=0); enable validation, or log the metric in validation"
+        )
 
 
 def _log_level(pl_module: "L.LightningModule", index: int, level: Level) -> None:
@@ -117,19 +150,19 @@ class AdaptiveCompression(Callback):
         patience: Optional[int] = None,
         escape_epochs: int = 1,
     ) -> None:
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(f"`monitor` must be the name of a logged metric (e.g. 'val_acc'), got {monitor!r}")
         self.monitor = monitor
         self.levels = _check_levels(levels)
-        self.thresholds = [float(t) for t in thresholds]
-        if len(self.thresholds) != len(self.levels) - 1:
-            raise ValueError(
-                f"`thresholds` must hold len(levels) - 1 = {len(self.levels) - 1} values, got {len(self.thresholds)}"
-            )
         if mode not in ("max", "min"):
             raise ValueError(f"`mode` must be 'max' or 'min', got {mode!r}")
+        self.thresholds = _check_thresholds(thresholds, len(self.levels) - 1, mode)
         if loss_delta is not None and not (isinstance(loss_delta, (int, float)) and loss_delta >= 0):
             raise ValueError(f"`loss_delta` must be None or a number >= 0, got {loss_delta!r}")
         self.mode = mode
         self.loss_delta = loss_delta
+        if loss_monitor is not None and (not isinstance(loss_monitor, str) or not loss_monitor):
+            raise ValueError(f"`loss_monitor` must be None or the name of a logged metric, got {loss_monitor!r}")
         self.loss_monitor = loss_monitor
         self.patience = None if patience is None else check_int(patience, "patience", 1)
         self.escape_epochs = check_int(escape_epochs, "escape_epochs", 1)
@@ -184,6 +217,7 @@ class AdaptiveCompression(Callback):
         if stage == "fit":
             check_level_keys(strategy_compressor(trainer, caller="AdaptiveCompression"), self.levels,
                              "AdaptiveCompression")
+            check_validation_runs(trainer, pl_module, "AdaptiveCompression", self.monitor)
 
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         apply_level(trainer, self.current_level, "AdaptiveCompression")
@@ -273,7 +307,7 @@ class GradientNormTrigger(Callback):
     def __init__(self, low: Level, high: Level, window: int = 1, ratio: float = 0.5) -> None:
         self.low, self.high = _check_levels([low, high], "low/high")
         self.window = check_int(window, "window", 1)
-        if not (isinstance(ratio, (int, float)) and ratio > 0):
+        if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0 < ratio < math.inf):
             raise ValueError(f"`ratio` must be a number > 0, got {ratio!r}")
         self.ratio = float(ratio)
         self.critical = True  # the first window is critical (ACCORDION starts with low compression)

@@ -8,7 +8,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from lightning_gradcomp.callbacks._access import strategy_compressor
-from lightning_gradcomp.compressors.base import check_density, check_int
+from lightning_gradcomp.compressors.base import check_bool, check_density, check_int
 
 
 def paper_densities(stages: int) -> list[float]:
@@ -57,11 +57,12 @@ class DGCWarmup(Callback):
         self.epochs = None if epochs is None else check_int(epochs, "epochs", 1)
         self.steps = None if steps is None else check_int(steps, "steps", 1)
         stages = self.epochs if self.epochs is not None else 4
+        if densities is not None and (not isinstance(densities, (list, tuple)) or not densities):
+            raise ValueError(f"`densities` must be None (the paper's ramp) or a non-empty list of densities in "
+                             f"(0, 1], got {densities!r}")
         self.densities = [check_density(d, "densities") for d in (densities or paper_densities(stages))]
-        if not self.densities:
-            raise ValueError("`densities` must hold at least one density in (0, 1]")
         self.target = None if target is None else check_density(target, "target")
-        self.lr_warmup = bool(lr_warmup)
+        self.lr_warmup = check_bool(lr_warmup, "lr_warmup")
         self.lr_start_factor = check_density(lr_start_factor, "lr_start_factor")
         self.base_lrs: Optional[list[list[float]]] = None
         self._lr_done = False

@@ -1,0 +1,65 @@
+"""One rank of a 2-process gloo job whose peer fails mid-training (run by tests/test_dead_peer.py).
+
+Rank 1 fails at step 3 (``--fault exit``: leaves at once; ``kill``: SIGKILL; ``hang``: stops answering).
+Rank 0 must end with an error naming the failed collective and its rank, within the process group's
+timeout: it prints ``FAILED <seconds> <message>`` and exits 3, or prints ``FINISHED`` if training ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--compressor", default="topk")
+    parser.add_argument("--fault", choices=["exit", "kill", "hang"], default="exit")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--min-compress-numel", type=int, default=1024)
+    args = parser.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=args.timeout))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ddp.register_comm_hook(GradCompHookState(args.compressor, names, min_compress_numel=args.min_compress_numel),
+                           gradcomp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    began = None
+    try:
+        for step in range(8):
+            if args.rank == 1 and step == 3:
+                if args.fault == "exit":
+                    os._exit(0)
+                if args.fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(args.timeout * 6)
+                os._exit(0)
+            began = time.monotonic()
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(torch.randn(16, 64)), torch.randint(0, 10, (16,))).backward()
+            optimizer.step()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        message = " ".join(str(error).split())
+        print(f"FAILED {time.monotonic() - began:.2f} {message}", flush=True)
+        os._exit(3)
+    print("FINISHED", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Every bad input is a ValueError naming the parameter and the allowed values, raised at construction
+or before the first step: one row per case, with the expected message fragment in the row. A new option
+gets a row here."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gradcomp import GradCompHookState, GradCompSimStrategy, GradCompStrategy
+from lightning_gradcomp.callbacks import AdaptiveCompression, DGCWarmup, GradientNormTrigger
+from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, PowerSGD, RandomK, TopK
+
+NAN = float("nan")
+
+CONSTRUCTION = [
+    # (case, constructor, expected message fragment)
+    ("find_unused_parameters str", lambda: GradCompStrategy(find_unused_parameters="yes"),
+     "`find_unused_parameters` must be True or False"),
+    ("static_graph str", lambda: GradCompStrategy(static_graph="true"), "`static_graph` must be True or False"),
+    ("gradient_as_bucket_view int", lambda: GradCompStrategy(gradient_as_bucket_view=1),
+     "`gradient_as_bucket_view` must be True or False"),
+    ("bucket_cap_mb str", lambda: GradCompStrategy(bucket_cap_mb="25"), "`bucket_cap_mb` must be a number > 0"),
+    ("bucket_cap_mb negative", lambda: GradCompStrategy(bucket_cap_mb=-1), "`bucket_cap_mb` must be a number > 0"),
+    ("backend typo", lambda: GradCompStrategy(process_group_backend="glooo"),
+     "`process_group_backend` must be None or one of .*gloo.*nccl"),
+    ("timeout negative", lambda: GradCompStrategy(timeout=-5),
+     "`timeout` must be a datetime.timedelta > 0 or a number of seconds > 0"),
+    ("timeout zero timedelta", lambda: GradCompStrategy(timeout=timedelta(0)), "`timeout` must be"),
+    ("log_stats str", lambda: GradCompStrategy(log_stats="no"), "`log_stats` must be True or False"),
+    ("exchange_thread str", lambda: GradCompStrategy(exchange_thread="off"), "`exchange_thread` must be True or False"),
+    ("error_feedback int", lambda: GradCompStrategy(error_feedback=1), "`error_feedback` must be None, True or False"),
+    ("error_feedback with DGC", lambda: GradCompStrategy(compressor="dgc", error_feedback=True),
+     "`error_feedback` must be None or False with DGC"),
+    ("sim log_stats str", lambda: GradCompSimStrategy(log_stats="no"), "`log_stats` must be True or False"),
+    ("sim uneven_batches", lambda: GradCompSimStrategy(uneven_batches="drop"),
+     "`uneven_batches` must be 'pad', 'split' or 'error'"),
+    ("sim workers", lambda: GradCompSimStrategy(workers=0), "`workers` must be an integer >= 1"),
+    ("hook compressor name", lambda: GradCompHookState("topkk", {}), "`compressor`: unknown name 'topkk'"),
+    ("hook compressor type", lambda: GradCompHookState(3, {}), "`compressor` must be a Compressor instance or one of"),
+    ("hook names", lambda: GradCompHookState("topk", ["w"]), "`param_names` must be a dict of id"),
+    ("hook min_compress_numel", lambda: GradCompHookState("topk", {}, min_compress_numel=-1),
+     "`min_compress_numel` must be an integer >= 0"),
+    ("hook seed", lambda: GradCompHookState("topk", {}, seed="1"), "`seed` must be an integer >= 0"),
+    ("hook error_feedback", lambda: GradCompHookState("topk", {}, error_feedback="yes"),
+     "`error_feedback` must be None, True or False"),
+    ("DGC nesterov str", lambda: DGC(nesterov="no"), "`nesterov` must be True or False"),
+    ("DGC scale_clip_by_workers str", lambda: DGC(scale_clip_by_workers="false"),
+     "`scale_clip_by_workers` must be True or False"),
+    ("DGC momentum", lambda: DGC(momentum=1.0), r"`momentum` must be a number in \[0, 1\)"),
+    ("DGC selection", lambda: DGC(selection="approx"), "`selection` must be 'sampled' or 'exact'"),
+    ("TopK density", lambda: TopK(density=2), r"`density` must be a number in \(0, 1\]"),
+    ("RandomK shared_indices str", lambda: RandomK(shared_indices="yes"), "`shared_indices` must be True or False"),
+    ("QSGD bits", lambda: QSGD(bits=1), r"`bits` must be an integer in \[2, 32\]"),
+    ("threshold nan", lambda: HardThreshold(threshold=NAN), "`threshold` must be a finite number >= 0"),
+    ("PowerSGD rank", lambda: PowerSGD(rank=0), "`rank` must be an integer >= 1"),
+    ("PowerSGD warm_start", lambda: PowerSGD(warm_start="yes"), "`warm_start` must be True or False"),
+    ("adaptive monitor None", lambda: AdaptiveCompression(monitor=None, levels=[{"bits": 4}, None], thresholds=[0.5]),
+     "`monitor` must be the name of a logged metric"),
+    ("adaptive thresholds count", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, None], thresholds=[0.5, 0.6]),
+     r"`thresholds` must hold len\(levels\) - 1 = 1 numbers"),
+    ("adaptive thresholds NaN", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, {"bits": 8}, None], [0.5, NAN]),
+     "`thresholds` must be finite numbers"),
+    ("adaptive thresholds not rising", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, {"bits": 8}, None],
+                                                                   [0.8, 0.6]),
+     "`thresholds` must be non-decreasing for mode='max'"),
+    ("adaptive thresholds not falling", lambda: AdaptiveCompression("val_loss", [{"bits": 4}, {"bits": 8}, None],
+                                                                    [0.5, 0.9], mode="min"),
+     "`thresholds` must be non-increasing for mode='min'"),
+    ("adaptive mode", lambda: AdaptiveCompression("val_acc", [None], [], mode="up"), "`mode` must be 'max' or 'min'"),
+    ("adaptive loss_monitor", lambda: AdaptiveCompression("val_acc", [None], [], loss_monitor=""),
+     "`loss_monitor` must be None or the name of a logged metric"),
+    ("trigger ratio", lambda: GradientNormTrigger({"density": 0.1}, {"density": 0.01}, ratio=NAN),
+     "`ratio` must be a number > 0"),
+    ("warmup densities empty", lambda: DGCWarmup(epochs=2, densities=[]), "`densities` must be None"),
+    ("warmup both lengths", lambda: DGCWarmup(epochs=2, steps=10), "give exactly one of `epochs` or `steps`"),
+    ("warmup lr_warmup str", lambda: DGCWarmup(epochs=2, lr_warmup="yes"), "`lr_warmup` must be True or False"),
+]
+
+
+@pytest.mark.parametrize("case,build,message", CONSTRUCTION, ids=[row[0] for row in CONSTRUCTION])
+def test_bad_input_at_construction(case, build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self, validate: bool = True) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(40, 40)
+        self.steps = 0
+        if not validate:
+            self.validation_step = None  # type: ignore[assignment]
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        return self.net(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_acc", 0.5)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(strategy, callbacks=(), limit_val_batches=1.0, devices=1, validate=True) -> _Tiny:
+    data = DataLoader(TensorDataset(torch.randn(16, 40)), batch_size=8)
+    model = _Tiny(validate)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=limit_val_batches, num_sanity_val_steps=0, callbacks=list(callbacks))
+    trainer.fit(model, data, data if validate else None)
+    return model
+
+
+BEFORE_TRAINING = [
+    ("later level invalid", lambda: [AdaptiveCompression("val_acc", [{"density": 0.01}, {"density": 2}], [0.5])],
+     1.0, r"level \{'density': 2\} is not valid for TopK: `density` must be a number in \(0, 1\]"),
+    ("later level invalid bits", lambda: [AdaptiveCompression("val_acc", [{"density": 0.1}, {"bits": 1}], [0.5])],
+     1.0, "a level sets `bits`, which TopK does not have"),
+    ("trigger level invalid", lambda: [GradientNormTrigger({"density": 0.1}, {"density": -1})], 1.0,
+     r"level \{'density': -1\} is not valid for TopK"),
+    ("schedule without validation", lambda: [AdaptiveCompression("val_acc", [{"density": 0.1}, None], [0.5])], 0,
+     "AdaptiveCompression decides after each validation epoch .* but validation does not run"),
+]
+
+
+@pytest.mark.parametrize("case,callbacks,limit_val,message", BEFORE_TRAINING, ids=[row[0] for row in BEFORE_TRAINING])
+def test_bad_schedule_is_refused_before_the_first_step(case, callbacks, limit_val, message) -> None:
+    strategy = GradCompSimStrategy(workers=2, compressor=TopK(0.1), min_compress_numel=0)
+    model = _Tiny()
+    with pytest.raises(ValueError, match=message):
+        data = DataLoader(TensorDataset(torch.randn(16, 40)), batch_size=8)
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=limit_val, num_sanity_val_steps=0, callbacks=callbacks()).fit(model, data, data)
+    assert model.steps == 0, "refused before the first step"
+
+
+def test_simulation_refuses_several_devices() -> None:
+    with pytest.raises(ValueError, match="GradCompSimStrategy simulates 2 workers in one process .* devices=2.*"
+                                         "use strategy='gradcomp'"):
+        _fit(GradCompSimStrategy(workers=2), devices=2)
+
+
+def test_simulation_pads_an_uneven_last_batch_like_ddp() -> None:
+    strategy = GradCompSimStrategy(workers=3, compressor="none")
+    data = DataLoader(TensorDataset(torch.randn(10, 40)), batch_size=4)  # batches of 4, 4, 2
+    model = _Tiny()
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(model, data)
+    assert model.steps == 3 * 3, "every batch ran on 3 workers, the uneven ones padded"

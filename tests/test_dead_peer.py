@@ -1,0 +1,43 @@
+"""A peer that exits, is killed or hangs ends the other rank with an error that names the failed
+collective and the rank, within the process group's timeout: real gloo processes, one all-reduce
+compressor (``none``) and one all-gather compressor (``topk``, every tensor compressed, so the bucket's
+only collective is the all-gather)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).parent / "scripts" / "dead_peer.py"
+TIMEOUT = 5.0
+
+
+@pytest.mark.parametrize("fault", ["exit", "kill", "hang"])
+@pytest.mark.parametrize("compressor,collective", [("none", "all_reduce"), ("topk", "all_gather")])
+def test_a_failed_peer_is_an_error_naming_the_collective(compressor: str, collective: str, fault: str) -> None:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--rank", str(rank), "--port", str(port),
+                               "--compressor", compressor, "--fault", fault, "--timeout", str(TIMEOUT),
+                               "--min-compress-numel", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for rank in range(2)]
+    try:
+        output = procs[0].communicate(timeout=120)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode == 3, output[-3000:]
+    line = next(line for line in output.splitlines() if line.startswith("FAILED"))
+    seconds = float(line.split()[1])
+    assert f"gradcomp: {collective}" in line and "failed on rank 0 of 2" in line, line
+    assert seconds < TIMEOUT + 10, f"the failure took {seconds} s with a {TIMEOUT} s timeout"
