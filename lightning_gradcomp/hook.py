@@ -43,7 +43,9 @@ class GradCompHookState:
         group: process group (default: the world).
         exchange_thread: exchange buckets on a thread of their own (in the order DDP hands them over), so
             compression and every round of communication overlap the rest of backward; ``False`` runs
-            them in the hook (the last round's decoding in a future's callback).
+            them in the hook (the last round's decoding in a future's callback); ``None`` (default): the
+            thread for CUDA buckets, the hook for CPU ones (on a CPU the thread competes with backward
+            for the same cores; see docs/benchmarks.md).
 
     Attributes:
         telemetry: measure compression error and time (set by
@@ -60,7 +62,7 @@ class GradCompHookState:
         min_compress_numel: int = 1024,
         seed: int = 0,
         group: Optional[dist.ProcessGroup] = None,
-        exchange_thread: bool = True,
+        exchange_thread: Optional[bool] = None,
     ) -> None:
         options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
         if not isinstance(param_names, dict) or not all(isinstance(n, str) for n in param_names.values()):
@@ -71,7 +73,10 @@ class GradCompHookState:
         self.engine = ExchangeEngine(self.pipeline, options.min_compress_numel, options.seed)
         self.param_names = param_names
         self.driver = TorchDriver(group)
-        self.thread = ExchangeThread(self.driver) if check_bool(exchange_thread, "exchange_thread") else None
+        if exchange_thread is not None:
+            check_bool(exchange_thread, "exchange_thread")
+        self.exchange_thread = exchange_thread
+        self.thread: Optional[ExchangeThread] = None
         _LIVE_STATES.add(self)
         _register_exit_cleanup()
         self.step = 0
@@ -153,7 +158,9 @@ class GradCompHookState:
         self.hook_calls += 1
         if bucket.is_last():
             self.step += 1
-        if self.thread is not None:
+        if self._use_thread(buffer.device):
+            if self.thread is None:
+                self.thread = ExchangeThread(self.driver)
             future = self.thread.submit(protocol, buffer.device)
         else:
             future = self.driver.run(protocol)
@@ -163,6 +170,9 @@ class GradCompHookState:
             return buffer
 
         return future.then(done)
+
+    def _use_thread(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.exchange_thread is None else self.exchange_thread
 
     def close(self) -> None:
         """Stop the exchange thread, if any (the strategy calls it at teardown)."""

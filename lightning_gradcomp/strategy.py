@@ -62,7 +62,8 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
         exchange_thread: exchange buckets on a thread of their own, in the order DDP hands them over, so
             compression and communication overlap the rest of backward (see
-            :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook.
+            :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook; ``None``
+            (default): the thread on GPUs, the hook on CPUs.
         timeout: the process group's timeout (a ``timedelta``, or seconds): a peer that stops answering
             fails the pending collective on every other rank after this long.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
@@ -77,7 +78,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         log_stats: bool = True,
-        exchange_thread: bool = True,
+        exchange_thread: Optional[bool] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -121,7 +122,8 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         self.min_compress_numel = options.min_compress_numel
         self.seed = options.seed
         self.log_stats = check_log_stats(log_stats)
-        self.exchange_thread = check_bool(exchange_thread, "exchange_thread")
+        self.exchange_thread = exchange_thread if exchange_thread is None else check_bool(exchange_thread,
+                                                                                          "exchange_thread")
         process_group_backend = check_process_group_backend(process_group_backend)
         timeout = check_timeout(timeout)
         super().__init__(

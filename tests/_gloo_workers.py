@@ -220,9 +220,10 @@ def _batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) -> None:
-    """Per compressor: 3 steps of a real DDP model with the gradcomp hook, and the same 3 steps with the
-    simulated exchange of ``world_size`` workers: parameters within 1e-5, bytes exactly equal, and the
-    bytes counted equal the bytes handed to torch.distributed."""
+    """Per compressor, exchanged in the hook and on the exchange thread: 3 steps of a real DDP model with
+    the gradcomp hook, and the same 3 steps with the simulated exchange of ``world_size`` workers:
+    parameters within 1e-5, bytes exactly equal, and the bytes counted equal the bytes handed to
+    torch.distributed."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp.compressors import COMPRESSORS
@@ -230,11 +231,12 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
 
     settings = conformance_settings()
     loss_fn = nn.CrossEntropyLoss()
-    for name in names:
+    for name, thread in [(name, thread) for name in names for thread in (False, True)]:
         make = lambda: COMPRESSORS[name](**settings.get(name, {}))  # noqa: E731
         model = _small_model()
         ddp = DistributedDataParallel(model)
-        state = GradCompHookState(make(), {id(p): n for n, p in model.named_parameters()}, min_compress_numel=256)
+        state = GradCompHookState(make(), {id(p): n for n, p in model.named_parameters()}, min_compress_numel=256,
+                                  exchange_thread=thread)
         ddp.register_comm_hook(state, gradcomp_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         real_bytes = []
@@ -247,6 +249,7 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
             stats = state.take_step_stats()
             assert stats.bytes_sent == spy.bytes, (name, stats.bytes_sent, spy.calls)
             real_bytes.append(stats.bytes_sent)
+        state.close()
 
         twin = _small_model()
         exchange = SimulatedExchange(make(), world_size, min_compress_numel=256)

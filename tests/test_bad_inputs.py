@@ -154,3 +154,18 @@ def test_simulation_pads_an_uneven_last_batch_like_ddp() -> None:
     L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(model, data)
     assert model.steps == 3 * 3, "every batch ran on 3 workers, the uneven ones padded"
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"version": 2, "world_size": 2, "compressor": "TopK", "ranks": [{}]},
+     "compression state has format 2; this version of lightning-gradcomp reads format 1"),
+    ({"version": 1, "world_size": 2, "compressor": "TopK"}, "compression state is damaged .*ranks"),
+])
+def test_a_checkpoint_this_version_cannot_read_is_refused_with_the_reason(entry, message) -> None:
+    from lightning_gradcomp.simulation import SimulatedExchange
+
+    strategy = GradCompSimStrategy(workers=2)
+    strategy.hook_state = SimulatedExchange(strategy.compressor, 2)
+    strategy._pending_checkpoint = entry
+    with pytest.raises(ValueError, match=message):
+        strategy._restore_pending()

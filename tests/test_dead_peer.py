@@ -20,14 +20,20 @@ SCRIPT = Path(__file__).parent / "scripts" / "dead_peer.py"
 TIMEOUT = 5.0
 
 
-@pytest.mark.parametrize("fault", ["exit", "kill", "hang"])
-@pytest.mark.parametrize("compressor,collective", [("none", "all_reduce"), ("topk", "all_gather")])
-def test_a_failed_peer_is_an_error_naming_the_collective(compressor: str, collective: str, fault: str) -> None:
+CASES = [(compressor, collective, fault, False) for compressor, collective in (("none", "all_reduce"),
+                                                                               ("topk", "all_gather"))
+         for fault in ("exit", "kill", "hang")]
+CASES += [("topk", "all_gather", "kill", True), ("none", "all_reduce", "hang", True)]  # on the exchange thread
+
+
+@pytest.mark.parametrize("compressor,collective,fault,thread", CASES)
+def test_a_failed_peer_is_an_error_naming_the_collective(compressor: str, collective: str, fault: str,
+                                                         thread: bool) -> None:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--rank", str(rank), "--port", str(port),
                                "--compressor", compressor, "--fault", fault, "--timeout", str(TIMEOUT),
-                               "--min-compress-numel", "0"],
+                               "--min-compress-numel", "0", *(["--thread"] if thread else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for rank in range(2)]
     try:

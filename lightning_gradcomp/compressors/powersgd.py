@@ -125,7 +125,10 @@ class PowerSGD(Compressor):
             residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
 
         def write(out: Tensor) -> None:
-            out.view(n, m).copy_(p_hat @ q_mean.T)
+            if out.dtype == p_hat.dtype:
+                torch.mm(p_hat, q_mean.T, out=out.view(n, m))
+            else:
+                out.view(n, m).copy_(p_hat @ q_mean.T)
 
         return Outcome((n + m) * r, subtract, write)
 

@@ -109,6 +109,10 @@ class ExchangeEngine:
         sent = [0] * len(entries)
         with self._clock(self.compress_clock, device):
             pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
+        # Protocols whose last round came before the bucket's final one wait with their results, so that
+        # every tensor finishes (memory, decoding) once the bucket's finiteness flag is known.
+        waiting: dict[int, list] = {}
+        waiting_turns: dict[int, Round] = {}
         while pending:
             final = all(turn.last for turn in pending.values())
             merged = _MergedRound(pending, world_size, device, _poison_flag(finite, device) if final else None)
@@ -117,7 +121,12 @@ class ExchangeEngine:
                 merged.read_header(counts)
             results = yield CollectiveRound(merged.collectives(), final)
             per_tensor = merged.split(results)
-            if final:
+            if not final:
+                for index in [index for index, turn in pending.items() if turn.last]:
+                    waiting[index], waiting_turns[index] = per_tensor.pop(index), pending.pop(index)
+            else:
+                per_tensor.update(waiting)
+                pending.update(waiting_turns)
                 _skip_memory_if_poisoned(contexts, merged.poison)
             with self._clock(self.decompress_clock if final else self.compress_clock, device):
                 pending = _advance(protocols, per_tensor, sent, previous=pending)

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--fault", choices=["exit", "kill", "hang"], default="exit")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--min-compress-numel", type=int, default=1024)
+    parser.add_argument("--thread", action="store_true", help="exchange on gradcomp's exchange thread")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
@@ -36,7 +37,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     ddp = nn.parallel.DistributedDataParallel(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    ddp.register_comm_hook(GradCompHookState(args.compressor, names, min_compress_numel=args.min_compress_numel),
+    ddp.register_comm_hook(GradCompHookState(args.compressor, names, min_compress_numel=args.min_compress_numel,
+                                             exchange_thread=args.thread),
                            gradcomp_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     began = None

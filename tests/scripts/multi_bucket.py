@@ -1,5 +1,5 @@
 """Two gloo processes train an MLP split into several DDP buckets with a multi-round (PowerSGD) and a
-count-exchanging (hard threshold) compressor; run by tests/test_slow_link.py inside a rate-limited
+count-exchanging (hard threshold) compressor, exchanged in the hook and on the exchange thread; run by tests/test_slow_link.py inside a rate-limited
 network namespace. Rank 0 writes every rank's final parameters and the hook's counters to ``--out``."""
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ def _worker(rank: int, port: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results = {}
-    for name, compressor in (("powersgd", PowerSGD(rank=2)), ("threshold", HardThreshold(0.004))):
+    for name, compressor, thread in (("powersgd", PowerSGD(rank=2), False), ("threshold", HardThreshold(0.004), False),
+                                     ("powersgd_thread", PowerSGD(rank=2), True),
+                                     ("threshold_thread", HardThreshold(0.004), True)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                               nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)
-        state = GradCompHookState(compressor, {id(p): n for n, p in model.named_parameters()})
+        state = GradCompHookState(compressor, {id(p): n for n, p in model.named_parameters()}, exchange_thread=thread)
         ddp.register_comm_hook(state, gradcomp_hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
         generator = torch.Generator().manual_seed(rank)

@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--lightning", type=int, default=10)
     parser.add_argument("--compressor", default="topk")
     args = parser.parse_args()
+    # half the torchrun jobs exchange on the hook's thread, half on gradcomp's exchange thread
     jobs = [[*_torchrun(), "--standalone", "--nproc-per-node", "2", str(HERE / "torchrun_hook.py"), "--no-destroy",
-             "--compressor", args.compressor]] * args.torchrun
+             "--compressor", args.compressor, *(["--thread"] if index % 2 else [])] for index in range(args.torchrun)]
     jobs += [[sys.executable, "-m", "lightning_gradcomp", "fit", "--config", str(ROOT / "recipes" / "quickstart_digits.yaml"),
               "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
               "--trainer.callbacks=[]"]] * args.lightning

@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-destroy", action="store_true", help="exit without destroy_process_group()")
-    parser.add_argument("--inline", action="store_true", help="no exchange thread")
+    parser.add_argument("--thread", action="store_true", help="exchange on gradcomp's exchange thread")
     parser.add_argument("--torch-hook", action="store_true", help="PyTorch's allreduce_hook instead, for comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -33,7 +33,7 @@ def main() -> None:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     else:
         names = {id(p): n for n, p in model.named_parameters()}
-        ddp.register_comm_hook(GradCompHookState(args.compressor, names, exchange_thread=not args.inline),
+        ddp.register_comm_hook(GradCompHookState(args.compressor, names, exchange_thread=args.thread),
                                gradcomp_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for _ in range(args.steps):
