@@ -158,18 +158,15 @@ class GradCompHookState:
         self.hook_calls += 1
         if bucket.is_last():
             self.step += 1
+        def finish(report: BucketReport) -> torch.Tensor:
+            self._account(report)
+            return buffer
+
         if self._use_thread(buffer.device):
             if self.thread is None:
                 self.thread = ExchangeThread(self.driver)
-            future = self.thread.submit(protocol, buffer.device)
-        else:
-            future = self.driver.run(protocol)
-
-        def done(finished: Future) -> torch.Tensor:
-            self._account(finished.value())
-            return buffer
-
-        return future.then(done)
+            return self.thread.submit(protocol, buffer.device, finish)
+        return self.driver.run(protocol).then(lambda done: finish(done.value()))
 
     def _use_thread(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.exchange_thread is None else self.exchange_thread

@@ -62,7 +62,7 @@ CONSTRUCTION = [
     ("adaptive monitor None", lambda: AdaptiveCompression(monitor=None, levels=[{"bits": 4}, None], thresholds=[0.5]),
      "`monitor` must be the name of a logged metric"),
     ("adaptive thresholds count", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, None], thresholds=[0.5, 0.6]),
-     r"`thresholds` must hold len\(levels\) - 1 = 1 numbers"),
+     r"`thresholds` must hold len\(levels\) - 1 = 1 values, got 2"),
     ("adaptive thresholds NaN", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, {"bits": 8}, None], [0.5, NAN]),
      "`thresholds` must be finite numbers"),
     ("adaptive thresholds not rising", lambda: AdaptiveCompression("val_acc", [{"bits": 4}, {"bits": 8}, None],

@@ -70,8 +70,10 @@ def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: st
 
 def _check_thresholds(thresholds: Sequence[float], count: int, mode: str) -> list[float]:
     """``count`` finite numbers, in the order the metric moves (rising for ``"max"``, falling for ``"min"``)."""
-    if not isinstance(thresholds, (list, tuple)) or len(thresholds) != count:
-        raise ValueError(f"`thresholds` must hold len(levels) - 1 = {count} numbers, got {thresholds!r}")
+    if not isinstance(thresholds, (list, tuple)):
+        raise ValueError(f"`thresholds` must be a list of len(levels) - 1 = {count} numbers, got {thresholds!r}")
+    if len(thresholds) != count:
+        raise ValueError(f"`thresholds` must hold len(levels) - 1 = {count} values, got {len(thresholds)}")
     if any(isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) for t in thresholds):
         raise ValueError(f"`thresholds` must be finite numbers, got {list(thresholds)!r}")
     ordered = all((b >= a) if mode == "max" else (b <= a) for a, b in zip(thresholds, thresholds[1:]))

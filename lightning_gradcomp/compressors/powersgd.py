@@ -145,7 +145,8 @@ class PowerSGD(Compressor):
         NaN on every worker, so each keeps its last ``Q`` (or none), all alike."""
         previous = ctx.state.get(Q_STATE)
         previous = previous if previous is not None and previous.shape == (m, r) else None
-        finite = all_finite(q_mean)
+        # ctx.finite is False on every worker when any gradient of the bucket was not finite (a void step)
+        finite = ctx.finite if ctx.finite is not True else all_finite(q_mean)
         kept = keep_if_finite(q_mean.clone(), previous, finite)
         if kept is None:
             ctx.state.pop(Q_STATE, None)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.futures import Future
 
 from lightning_gradcomp.exchange.drivers import TorchDriver
-from lightning_gradcomp.exchange.engine import BucketProtocol
+from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport
 
 _STOP = object()
 
@@ -37,8 +37,10 @@ class ExchangeThread:
         self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
         self._lock = threading.Lock()
 
-    def submit(self, protocol: BucketProtocol, device: torch.device) -> Future:
-        """Queue one bucket's exchange; the future's value is its report."""
+    def submit(self, protocol: BucketProtocol, device: torch.device, finish: Callable[[BucketReport], Any]) -> Future:
+        """Queue one bucket's exchange; the future's value is ``finish(report)``, set on the exchange
+        thread (on CUDA while its stream is current, so that waiting on the future makes the waiting
+        stream wait for the exchange: ``finish`` should return the bucket's tensor)."""
         self._ensure_started()
         if device.type == "cuda":
             ready = torch.cuda.Event()
@@ -46,7 +48,7 @@ class ExchangeThread:
             future: Future = Future(devices=[device])
         else:
             ready, future = None, Future()
-        self._queue.put((protocol, device, ready, future))
+        self._queue.put((protocol, device, ready, future, finish))
         return future
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -73,15 +75,14 @@ class ExchangeThread:
             item = self._queue.get()
             if item is _STOP:
                 return
-            protocol, device, ready, future = item
+            protocol, device, ready, future, finish = item
             try:
                 if device.type == "cuda":
                     stream = self._streams.setdefault(device, torch.cuda.Stream(device))
                     with torch.cuda.stream(stream):
                         stream.wait_event(ready)
-                        report = self.driver.drive(protocol)
-                        future.set_result(report)
+                        future.set_result(finish(self.driver.drive(protocol)))
                 else:
-                    future.set_result(self.driver.drive(protocol))
+                    future.set_result(finish(self.driver.drive(protocol)))
             except BaseException as error:  # noqa: BLE001 - every error must reach DDP's wait
                 future.set_exception(error)
