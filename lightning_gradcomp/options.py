@@ -46,6 +46,18 @@ def exchange_options(compressor: Union[Compressor, str], error_feedback: Optiona
                            check_int(seed, "seed", 0))
 
 
+def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
+                       min_compress_numel: int, seed: int, log_stats: bool) -> None:
+    """Validate the options both strategies share and set them as the strategy's attributes
+    (``compressor``, ``error_feedback``, ``min_compress_numel``, ``seed``, ``log_stats``)."""
+    options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+    strategy.compressor = options.compressor
+    strategy.error_feedback = options.error_feedback
+    strategy.min_compress_numel = options.min_compress_numel
+    strategy.seed = options.seed
+    strategy.log_stats = check_log_stats(log_stats)
+
+
 def check_log_stats(log_stats: bool) -> bool:
     """``log_stats`` must be a boolean."""
     return check_bool(log_stats, "log_stats")

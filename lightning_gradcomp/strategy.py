@@ -23,10 +23,9 @@ from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.options import (
     check_bucket_cap_mb,
     check_ddp_flags,
-    check_log_stats,
     check_process_group_backend,
     check_timeout,
-    exchange_options,
+    configure_strategy,
 )
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.stats import StepStats
@@ -116,12 +115,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             raise ValueError(
                 f"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver', got {start_method!r}"
             )
-        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
-        self.compressor = options.compressor
-        self.error_feedback = options.error_feedback
-        self.min_compress_numel = options.min_compress_numel
-        self.seed = options.seed
-        self.log_stats = check_log_stats(log_stats)
+        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats)
         self.exchange_thread = exchange_thread if exchange_thread is None else check_bool(exchange_thread,
                                                                                           "exchange_thread")
         process_group_backend = check_process_group_backend(process_group_backend)

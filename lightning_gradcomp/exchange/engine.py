@@ -17,6 +17,10 @@
   needs equal sizes).
 * Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
   order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
+* Non-finite gradients: one reduction per gradient; a one-element flag (0, or NaN when this worker's
+  gradients of the bucket were not all finite) rides in the bucket's final round. When the summed flag
+  is NaN, every worker's result for the bucket is NaN (as DDP's all-reduce would carry it) and no
+  worker updates its memory for the bucket (see :class:`~lightning_gradcomp.pipeline.WorkerPipeline`).
 
 The sequence of collectives depends only on the bucket's parameters, the compressor and the counts
 exchanged in the headers, so it is the same on every worker: drivers may issue it as it comes.

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
 from lightning_gradcomp.compressors.base import Compressor, check_int
-from lightning_gradcomp.options import check_log_stats, exchange_options
+from lightning_gradcomp.options import configure_strategy
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.simulation.exchange import SimulatedExchange
 from lightning_gradcomp.stats import StepStats
@@ -73,12 +73,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         precision_plugin: Optional[Any] = None,
     ) -> None:
         self.workers = check_int(workers, "workers", 1)
-        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
-        self.compressor = options.compressor
-        self.error_feedback = options.error_feedback
-        self.min_compress_numel = options.min_compress_numel
-        self.seed = options.seed
-        self.log_stats = check_log_stats(log_stats)
+        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats)
         self.batch_dim = check_int(batch_dim, "batch_dim", 0)
         if uneven_batches not in ("pad", "split", "error"):
             raise ValueError(f"`uneven_batches` must be 'pad', 'split' or 'error', got {uneven_batches!r}")
