@@ -18,6 +18,7 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
+from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.simulation import GradCompSimStrategy
@@ -30,6 +31,7 @@ GradCompSimStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BF16",
+    "CollectiveError",
     "DGC",
     "FP16",
     "QSGD",
