@@ -13,6 +13,13 @@ Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds
 first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
 a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
 it was (see :mod:`lightning_gradcomp.pipeline` for what the exchange does on such a step).
+
+Cost: ``p_t`` is written into a buffer kept from the previous step (on CPU, where a fresh allocation of
+a large tensor costs page faults, about two extra passes over memory), and becomes the residual once
+the exchange is done, while the previous residual becomes the next step's buffer. The previous residual
+is left intact until then, so a step made void after the exchange (another worker's gradient was not
+finite) keeps it exactly. On accelerators the caching allocator makes fresh tensors cheap, and no
+buffer is kept (it would double the memory).
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ class CompressionMemory:
     def __init__(self) -> None:
         self.residuals: dict[str, Tensor] = {}
         self.states: dict[str, dict[str, Tensor]] = {}
+        self._spares: dict[str, Tensor] = {}  # CPU only: next step's buffer for p (see the module docstring)
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
-        """``p = g + e``: a new tensor; ``grad`` is not modified."""
+        """``p = g + e`` in a tensor of its own (a kept buffer on CPU); ``grad`` and ``e`` are not modified."""
         residual = self.residuals.get(name)
+        spare = self._spares.pop(name, None)
+        if spare is None or spare.shape != grad.shape or spare.dtype != grad.dtype or spare.device != grad.device:
+            spare = torch.empty_like(grad, memory_format=torch.contiguous_format)
         if residual is None or residual.shape != grad.shape:
-            return grad.clone()
-        return grad + residual
+            return spare.copy_(grad)
+        return torch.add(grad, residual, out=spare)
 
     def update(self, name: str, corrected: Tensor, subtract: Callable[[Tensor], None], finite: Finite = True
                ) -> Optional[Tensor]:
@@ -48,11 +59,19 @@ class CompressionMemory:
         residual, or ``None`` when it was left unchanged.
         """
         if finite is False:
+            self._keep_spare(name, corrected)
             return None
         subtract(corrected)
-        residual = keep_if_finite(corrected, self.residuals.get(name), finite)
+        previous = self.residuals.get(name)
+        residual = keep_if_finite(corrected, previous, finite)
         self.residuals[name] = residual
+        if residual is corrected and previous is not None:
+            self._keep_spare(name, previous)
         return residual
+
+    def _keep_spare(self, name: str, buffer: Tensor) -> None:
+        if buffer.device.type == "cpu":
+            self._spares[name] = buffer
 
     def state(self, name: str) -> dict[str, Tensor]:
         """The mutable compressor state of one parameter (created empty)."""
@@ -61,6 +80,7 @@ class CompressionMemory:
     def clear(self) -> None:
         self.residuals.clear()
         self.states.clear()
+        self._spares.clear()
 
     def squared_residual_norm(self) -> float:
         """``sum ||e||^2`` over all parameters."""
@@ -74,6 +94,7 @@ class CompressionMemory:
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self._spares.clear()
         self.residuals = {name: r.to(device) for name, r in state.get("residuals", {}).items()}
         self.states = {
             name: {k: v.to(device) for k, v in s.items()} for name, s in state.get("states", {}).items()

@@ -137,7 +137,7 @@ def test_optimizer_momentum_on_top_of_dgc_momentum_is_refused() -> None:
     [
         ({"momentum": 1.0}, r"`momentum` must be a number in \[0, 1\)"),
         ({"clip_norm": 0}, "`clip_norm` must be None or a finite number > 0"),
-        ({"selection": "fast"}, "`selection` must be 'sampled' or 'exact'"),
+        ({"selection": "fast"}, "`selection` must be one of 'blocks', 'sampled', 'exact'"),
         ({"density": 0}, r"`density` must be a number in \(0, 1\]"),
     ],
 )

@@ -1,12 +1,22 @@
 """Pack unsigned integer codes of ``bits`` bits each into a dense byte stream, and back.
 
-Every group of 8 codes occupies exactly ``bits`` bytes, so ``n`` codes take ``ceil(n / 8) * bits``
-bytes: ``bits`` bits per element, up to 7 codes of padding at the end. Codes wider than 8 bits are split
-into their low byte and the remaining high bits, each packed the same way. Vectorised tensor code: it
-runs on CPU and CUDA alike.
+``n`` codes take ``ceil(n / 8) * bits`` bytes: ``bits`` bits per element, up to 7 codes of padding at the
+end. Vectorised tensor code: it runs on CPU and CUDA alike.
+
+Codes of at most 8 bits (the quantisers' case) are laid out in lanes, so that packing is a few
+element-wise operations on contiguous uint8 rows: the ``n`` codes (padded to a multiple of 8) are split
+into ``g`` contiguous lanes of ``m = n/g`` codes, where ``g`` codes of ``bits`` bits fill ``w`` whole
+bytes (2 codes of 4 bits fill 1 byte, 4 codes of 6 bits 3 bytes, 8 codes of 3 bits 3 bytes); the stream is ``w`` byte planes of ``m`` bytes, plane ``i`` holding bits
+``8i .. 8i+7`` of the little-endian concatenation of the ``g`` lanes' codes at each position. Each plane
+is the OR of the shifted lanes that overlap it.
+
+Wider codes are split into their low byte and the remaining high bits; every group of 8 codes occupies
+``bits`` bytes, code ``j`` at bits ``j·bits .. (j+1)·bits - 1`` of the group (little-endian).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -23,11 +33,63 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     """Pack a 1-D tensor of non-negative integers ``< 2**bits`` into a uint8 tensor."""
     if not 1 <= bits <= MAX_BITS:
         raise ValueError(f"`bits` must be in [1, {MAX_BITS}], got {bits}")
-    codes = codes.reshape(-1).to(torch.int64)
+    narrow = bits <= 8
+    codes = codes.reshape(-1).to(torch.uint8 if narrow else torch.int64)
     padding = (-codes.numel()) % 8
     if padding:
         codes = torch.cat([codes, codes.new_zeros(padding)])
+    if narrow:
+        return _pack_words(codes, bits)
     return _pack_groups(codes.view(-1, 8), bits).reshape(-1)
+
+
+def unpack(packed: Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Inverse of :func:`pack`: the first ``numel`` codes, as ``dtype``."""
+    if bits <= 8:
+        return _unpack_words(packed, bits)[:numel].to(dtype)
+    groups = packed.reshape(-1, bits)
+    return _unpack_groups(groups, bits).reshape(-1)[:numel].to(dtype)
+
+
+def _group_layout(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest group of ``bits``-bit codes (``bits <= 8``) that fills whole bytes."""
+    group = 8 // math.gcd(8, bits)
+    return group, group * bits // 8
+
+
+def _overlaps(bits: int, group: int, width: int) -> list[tuple[int, int, int]]:
+    """``(byte, code, shift)`` for every code of a group that has bits in a byte of it: the code's bits
+    sit at ``code << shift`` within the byte (a negative shift: ``>>``)."""
+    return [(byte, code, code * bits - 8 * byte) for byte in range(width) for code in range(group)
+            if code * bits < 8 * byte + 8 and (code + 1) * bits > 8 * byte]
+
+
+def _shift(values: Tensor, shift: int) -> Tensor:
+    """``values << shift`` (``>>`` for a negative shift) in uint8: bits beyond the byte drop out."""
+    return values.bitwise_left_shift(shift) if shift >= 0 else values.bitwise_right_shift(-shift)
+
+
+def _pack_words(codes: Tensor, bits: int) -> Tensor:
+    """Lane-planar stream (see the module's docstring): every operation is on contiguous uint8 rows."""
+    group, width = _group_layout(bits)
+    if group == 1:
+        return codes
+    lanes = codes.view(group, -1)
+    planes = codes.new_zeros(width, lanes.shape[1])
+    for byte, code, shift in _overlaps(bits, group, width):
+        planes[byte].bitwise_or_(_shift(lanes[code], shift))
+    return planes.view(-1)
+
+
+def _unpack_words(packed: Tensor, bits: int) -> Tensor:
+    group, width = _group_layout(bits)
+    if group == 1:
+        return packed
+    planes = packed.view(width, -1)
+    lanes = packed.new_zeros(group, planes.shape[1])
+    for byte, code, shift in _overlaps(bits, group, width):
+        lanes[code].bitwise_or_(_shift(planes[byte], -shift))
+    return lanes.bitwise_and_((1 << bits) - 1).view(-1)
 
 
 def _pack_groups(groups: Tensor, bits: int) -> Tensor:
@@ -40,12 +102,6 @@ def _pack_groups(groups: Tensor, bits: int) -> Tensor:
     words = (groups << shifts).sum(dim=1, keepdim=True)  # disjoint bit ranges: sum == bitwise or
     byte_shifts = torch.arange(bits, device=groups.device, dtype=torch.int64) * 8
     return ((words >> byte_shifts) & 0xFF).to(torch.uint8)
-
-
-def unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
-    """Inverse of :func:`pack`: the first ``numel`` codes, as int64."""
-    groups = packed.reshape(-1, bits)
-    return _unpack_groups(groups, bits).reshape(-1)[:numel]
 
 
 def _unpack_groups(groups: Tensor, bits: int) -> Tensor:

@@ -19,7 +19,7 @@ from lightning_gradcomp.compressors.base import (
     squared_norm,
 )
 from lightning_gradcomp.exchange.protocol import Outcome
-from lightning_gradcomp.compressors.selection import exact_topk, sampled_topk
+from lightning_gradcomp.compressors.selection import check_selection, topk_indices
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
 
 MOMENTUM = "momentum"
@@ -46,9 +46,11 @@ class DGC(HasDensity, _ValuesAndIndices):
     nothing is delayed, so nothing is masked: DGC then equals momentum SGD (as in the reference code),
     and tensors the strategy sends dense (``min_compress_numel``) also receive the momentum.
 
-    Selection: ``"sampled"`` (default) estimates the threshold from ~1% of the elements and refines
-    the candidates to exactly ``k`` (see :mod:`~lightning_gradcomp.compressors.selection`); ``"exact"``
-    uses ``torch.topk``. Every payload holds exactly ``k`` entries, so no size exchange is needed.
+    Selection (:mod:`~lightning_gradcomp.compressors.selection`): ``"blocks"`` (default) prunes the
+    search with block maxima and always finds the exact top-k set; ``"sampled"`` is the paper's threshold
+    estimated from ~1% of the elements, refined to exactly ``k``; ``"exact"`` uses ``torch.topk``. All three
+    send the same coordinates (up to ties); ``"blocks"`` is the cheapest. Every payload holds exactly ``k``
+    entries, so no size exchange is needed.
 
     Args:
         density: fraction of elements sent, in (0, 1]; :class:`~lightning_gradcomp.callbacks.DGCWarmup`
@@ -57,8 +59,8 @@ class DGC(HasDensity, _ValuesAndIndices):
         clip_norm: local gradient clipping threshold (per tensor), or None for no clipping.
         scale_clip_by_workers: scale ``clip_norm`` by ``N^(-1/2)`` as in the paper.
         nesterov: Nesterov momentum.
-        selection: ``"sampled"`` or ``"exact"``.
-        sample_fraction: share of elements sampled to estimate the threshold.
+        selection: ``"blocks"``, ``"sampled"`` or ``"exact"``.
+        sample_fraction: share of elements sampled to estimate the threshold (``"sampled"`` only).
     """
 
     name = "dgc"
@@ -71,7 +73,7 @@ class DGC(HasDensity, _ValuesAndIndices):
         clip_norm: Optional[float] = None,
         scale_clip_by_workers: bool = True,
         nesterov: bool = False,
-        selection: Literal["sampled", "exact"] = "sampled",
+        selection: Literal["blocks", "sampled", "exact"] = "blocks",
         sample_fraction: float = 0.01,
     ) -> None:
         self.density = density
@@ -80,13 +82,11 @@ class DGC(HasDensity, _ValuesAndIndices):
         if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
                                       or not clip_norm > 0 or math.isinf(clip_norm)):
             raise ValueError(f"`clip_norm` must be None or a finite number > 0, got {clip_norm!r}")
-        if selection not in ("sampled", "exact"):
-            raise ValueError(f"`selection` must be 'sampled' or 'exact', got {selection!r}")
         self.momentum = float(momentum)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.scale_clip_by_workers = check_bool(scale_clip_by_workers, "scale_clip_by_workers")
         self.nesterov = check_bool(nesterov, "nesterov")
-        self.selection = selection
+        self.selection = check_selection(selection)
         self.sample_fraction = check_density(sample_fraction, "sample_fraction")
 
     def hparams(self) -> dict[str, Any]:
@@ -121,9 +121,10 @@ class DGC(HasDensity, _ValuesAndIndices):
 
     # ------------------------------------------------------------------ the algorithm
     def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, Tensor, bool]:
-        """Clip, then ``u <- m u + g``. Returns the increment of ``v``, the new ``u`` (not yet stored, see
-        :meth:`_store`) and whether the state may be updated in place (a finite gradient on CPU: nothing
-        can turn the state non-finite, and in-place updates spare several allocations of the tensor's size)."""
+        """Clip, then ``u <- m u + g`` (one fused pass). Returns the increment of ``v``, the new ``u`` (not
+        yet stored, see :meth:`_store`) and whether the state may be updated in place (a finite gradient on
+        CPU: nothing can turn the state non-finite, and in-place updates spare allocations of the tensor's
+        size, which cost page faults on CPU)."""
         grad = grad.float() if grad.dtype != torch.float32 and grad.dtype != torch.float64 else grad
         if self.clip_norm is not None:
             limit = self.clip_norm * (ctx.world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
@@ -133,11 +134,9 @@ class DGC(HasDensity, _ValuesAndIndices):
         previous = ctx.state.get(MOMENTUM)
         if previous is None or previous.shape != grad.shape:
             momentum = grad.clone()
-        elif in_place:
-            momentum = previous.mul_(self.momentum).add_(grad)
         else:
-            momentum = previous * self.momentum + grad
-        increment = grad + self.momentum * momentum if self.nesterov else momentum
+            momentum = torch.add(grad, previous, alpha=self.momentum, out=previous if in_place else None)
+        increment = torch.add(grad, momentum, alpha=self.momentum) if self.nesterov else momentum
         return increment, momentum, in_place
 
     @staticmethod
@@ -175,12 +174,8 @@ class DGC(HasDensity, _ValuesAndIndices):
             velocity = previous_velocity.add_(increment)
         else:
             velocity = previous_velocity + increment
-        magnitude = velocity.abs()
-        if self.selection == "exact":
-            indices = exact_topk(magnitude, k)
-        else:
-            generator = ctx.generator(tensor.device, per_rank=True)
-            indices = sampled_topk(magnitude, k, generator, sample_fraction=self.sample_fraction).indices
+        generator = ctx.generator(tensor.device, per_rank=True) if self.selection == "sampled" else None
+        indices = topk_indices(velocity, k, self.selection, generator, self.sample_fraction)
         selected = indices
         values = velocity[indices]
         if indices.numel() < k:  # rare: pad with zero values at a sent index, harmless on every rank

@@ -26,9 +26,15 @@ class QSGD(Compressor):
     so :math:`\mathbb{E}[Q_s(v)] = v` (unbiased; error feedback is off by default). Paper 002 prints the
     two probabilities swapped, which is biased; this follows the original paper (000 §3.1.3).
 
-    Wire: one fp32 norm per bucket and, per element, a level in ``0..s`` plus a sign bit, bit-packed:
-    :math:`b = \lceil\log_2(s+1)\rceil + 1` bits, so ``s = 64, 16, 4`` cost 8, 6 and 4 bits (000 counts
-    7/5/3 by leaving the sign out). Randomness comes from a per-step, per-worker generator.
+    Computed as one stochastic rounding of the signed level: with :math:`y_i = s v_i / \|v\|_2` and
+    :math:`u_i \sim U[0, 1)`, the code is :math:`c_i = \lfloor s + y_i + u_i \rfloor \in [0, 2s]`, so
+    :math:`c_i - s` is :math:`\lfloor y_i \rfloor + 1` with probability :math:`y_i - \lfloor y_i \rfloor`
+    (the same distribution as rounding :math:`|y_i|` and keeping the sign), unbiased up to fp32 rounding.
+
+    Wire: one fp32 norm per bucket and, per element, the code ``c_i`` (offset binary: the signed level
+    plus ``s``) bit-packed in :math:`b = \lceil\log_2(2s+1)\rceil = \lceil\log_2(s+1)\rceil + 1` bits,
+    so ``s = 64, 16, 4`` cost 8, 6 and 4 bits (000 counts 7/5/3 by leaving the sign out). Randomness
+    comes from a per-step, per-worker generator.
 
     Args:
         levels: ``s >= 1``.
@@ -56,7 +62,7 @@ class QSGD(Compressor):
 
     @property
     def bits(self) -> int:
-        """Bits per element on the wire: level bits plus a sign bit, :math:`\lceil\log_2(s+1)\rceil + 1`.
+        r"""Bits per element on the wire: level bits plus a sign bit, :math:`\lceil\log_2(s+1)\rceil + 1`.
 
         Setting ``bits = b`` (2 to 32) picks ``levels = 2**(b - 1) - 1``, the most levels a ``b``-bit code
         holds: the ``b``-bit quantiser a schedule moves along (``bits=8`` is paper 004's 8-bit baseline).
@@ -76,32 +82,43 @@ class QSGD(Compressor):
     def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
         return (-(-numel // self.bucket_size), packed_nbytes(numel, self.bits))
 
+    @property
+    def _work_dtype(self) -> torch.dtype:
+        """fp32 holds every code exactly up to 2**24; more levels need fp64."""
+        return torch.float32 if 2 * self.levels < 2**23 else torch.float64
+
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
-        buckets = self._buckets(tensor.float())
-        norms = torch.linalg.vector_norm(buckets, dim=1)
-        scaled = buckets.abs() * (self.levels / norms.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1)
-        scaled = scaled.clamp_max(self.levels)  # rounding may push |v_i| = ||v|| a hair above s
-        lower = scaled.floor()
-        noise = torch.rand(scaled.shape, generator=ctx.generator(tensor.device, per_rank=True), device=tensor.device)
-        level = lower + (noise < scaled - lower).to(scaled.dtype)
-        codes = (level.to(torch.int64) << 1) | (buckets < 0).to(torch.int64)
-        packed = pack(codes.view(-1)[:numel], self.bits)
-        return Payload((norms, packed), numel, numel)
+        flat = tensor.reshape(-1).to(self._work_dtype)
+        norms = torch.cat([torch.linalg.vector_norm(rows, dim=1) for rows, _ in self._buckets(flat)])
+        scale = self.levels / norms.clamp_min(torch.finfo(norms.dtype).tiny)
+        # c = floor(s + y + u) with y = s v / ||v|| in [-s, s]: one stochastic rounding of the signed level
+        codes = torch.empty(numel, device=tensor.device, dtype=self._work_dtype).uniform_(
+            self.levels, self.levels + 1, generator=ctx.generator(tensor.device, per_rank=True))  # s + u
+        for (rows, where), (code_rows, _) in zip(self._buckets(flat), self._buckets(codes)):
+            code_rows.addcmul_(rows, scale[where].unsqueeze(1))
+        code_dtype = torch.uint8 if self.bits <= 8 else torch.int64
+        packed = pack(codes.to(code_dtype).clamp_(0, 2 * self.levels), self.bits)  # truncation == floor (>= 0)
+        return Payload((norms.float(), packed), numel, numel)
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         norms, packed = payload.parts
-        numel = payload.numel
-        codes = unpack(packed, self.bits, numel)
-        magnitude = (codes >> 1).to(torch.float32) / self.levels
-        signed = torch.where((codes & 1).bool(), -magnitude, magnitude)
-        padded = torch.zeros(norms.numel() * self.bucket_size, dtype=torch.float32, device=out.device)
-        padded[:numel] = signed
-        values = (padded.view(-1, self.bucket_size) * norms.unsqueeze(1)).view(-1)[:numel]
-        out.add_(values.to(out.dtype), alpha=alpha)
+        levels = unpack(packed, self.bits, payload.numel, dtype=self._work_dtype).sub_(self.levels)
+        weight = norms.to(levels.dtype) * (alpha / self.levels)
+        target = out if out.dtype == levels.dtype else torch.zeros_like(levels)
+        for (rows, where), (level_rows, _) in zip(self._buckets(target), self._buckets(levels)):
+            rows.addcmul_(level_rows, weight[where].unsqueeze(1))
+        if target is not out:
+            out.add_(target.to(out.dtype))
 
-    def _buckets(self, flat: Tensor) -> Tensor:
-        padding = (-flat.numel()) % self.bucket_size
-        if padding:
-            flat = torch.cat([flat, flat.new_zeros(padding)])
-        return flat.view(-1, self.bucket_size)
+    def _buckets(self, flat: Tensor) -> list[tuple[Tensor, slice]]:
+        """``flat`` as rows of ``bucket_size`` (views), the last bucket possibly shorter, with the
+        positions of their norms."""
+        numel, size = flat.numel(), self.bucket_size
+        full = numel // size
+        parts = []
+        if full:
+            parts.append((flat[: full * size].view(full, size), slice(0, full)))
+        if numel > full * size:
+            parts.append((flat[full * size:].view(1, -1), slice(full, full + 1)))
+        return parts

@@ -1,15 +1,23 @@
-"""Choosing the ``k`` largest magnitudes: exactly, or through a threshold estimated from a sample.
+"""Choosing the ``k`` largest magnitudes: exactly, by block maxima, or through a sampled threshold.
 
-Exact ``torch.topk`` on a large tensor costs far more than a pass over memory (hundreds of ms for 10M
-elements on CPU). Deep Gradient Compression (Lin et al., ICLR 2018, §3 and its reference code) instead
-estimates the threshold from a random sample of about 1% of the elements, selects everything above it
-with one comparison, and corrects the rare case where far too many elements pass.
+Exact ``torch.topk`` over a large tensor costs far more than a pass over memory (about 20 copies of the
+tensor on CPU). Three methods return the indices of the ``k`` largest ``|x_i|`` (unsorted):
 
-:func:`sampled_topk` does this so that its result is *exactly* Top-k whenever the estimated threshold
-lets at least ``k`` elements through (then the true top ``k`` are among the candidates, and a
-``topk`` over the few candidates picks them). The threshold is taken at ``oversample`` times the target
-count of the sample, so this is the usual case; when fewer pass, the threshold is lowered to a lower
-rank of the same sample and the comparison repeated.
+* ``"blocks"`` (:func:`block_topk`, the default): split the tensor into blocks of ``b`` elements, take
+  each block's peak ``max |x_i|`` (one read pass, no ``|x|`` materialised), keep the ``k`` blocks with the
+  largest peaks and choose among their ``k·b`` elements. The result is *always* an exact top-``k`` set:
+  with ``β`` the smallest kept peak, the ``k`` kept blocks hold at least ``k`` elements ``>= β``, so the
+  ``k``-th largest magnitude ``τ >= β``, and any element above ``β`` lies in a block whose peak exceeds
+  ``β``, which is kept. The block size ``b ≈ 1/√density`` balances the ``d/b`` peaks against the
+  ``k·b`` candidates. No host synchronisation on accelerators (fixed sizes throughout).
+* ``"sampled"`` (:func:`sampled_topk`): Deep Gradient Compression's threshold estimated from a random
+  sample of about 1% of the elements (Lin et al., ICLR 2018, §3 and its reference code), refined so
+  that the result is exactly Top-k whenever at least ``k`` elements pass (then the true top ``k`` are
+  among the candidates, and a ``topk`` over the few candidates picks them), the usual case; when
+  fewer pass, the threshold is lowered to a lower rank of the same sample and the comparison repeated.
+* ``"exact"``: ``torch.topk`` over ``|x|``.
+
+The three choose the same set up to ties at the ``k``-th magnitude, so training is bit for bit the same.
 """
 
 from __future__ import annotations
@@ -30,9 +38,104 @@ class Selection:
     candidates: int
 
 
+#: The selection methods, for the ``selection`` argument of Top-k and DGC.
+SELECTIONS = ("blocks", "sampled", "exact")
+
+
+def check_selection(selection: str) -> str:
+    """Validate a ``selection`` argument."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"`selection` must be one of {', '.join(repr(s) for s in SELECTIONS)}, got {selection!r}")
+    return selection
+
+
+def topk_indices(values: Tensor, k: int, selection: str = "blocks", generator: Optional[torch.Generator] = None,
+                 sample_fraction: float = 0.01) -> Tensor:
+    """Indices of the ``k`` largest ``|values_i|`` of a 1-D tensor (unsorted), by ``selection``."""
+    if selection == "blocks":
+        return block_topk(values, k)
+    if selection == "sampled":
+        return sampled_topk(values.abs(), k, generator, sample_fraction=sample_fraction).indices
+    return exact_topk(values.abs(), k)
+
+
 def exact_topk(magnitude: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest entries of ``magnitude`` (unsorted)."""
     return torch.topk(magnitude, k, sorted=False).indices
+
+
+#: Contiguous blocks of this many elements where the density allows (see :func:`block_topk`).
+CONTIGUOUS_BLOCK = 64
+
+
+def block_layout(k: int, numel: int) -> tuple[int, bool]:
+    """``(b, contiguous)`` for :func:`block_topk`: contiguous blocks of 64 elements at densities up to
+    1/512 (row maxima are one pass there, and the kept blocks are read as whole cache lines), else
+    strided blocks of a power of two near ``1/√density`` in [8, 32] (``k·b`` candidates against ``d/b``
+    peaks), whose maxima are vectorised across blocks."""
+    if k * CONTIGUOUS_BLOCK <= numel // 8:
+        return CONTIGUOUS_BLOCK, True
+    return int(min(32, max(8, 2 ** round(math.log2(math.sqrt(numel / k)))))), False
+
+
+def block_topk(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest ``|values_i|`` (unsorted), chosen among the ``k`` blocks with the
+    largest peaks and the tail (see the module's docstring for why the set is exact).
+
+    Blocks (:func:`block_layout`) are either ``b`` consecutive elements (``x`` viewed as rows of ``b``)
+    or ``b`` elements ``m = d/b`` apart (``x`` viewed as ``b`` rows of ``m``, block ``j`` is column
+    ``j``); the last ``d mod b`` elements are always candidates. Cost on CPU at density 0.001: about 2
+    copies of the tensor, against about 20 for ``torch.topk``. Falls back to exact ``topk`` where blocks
+    would not prune (``k·b > d/4``).
+    """
+    numel = values.numel()
+    block, contiguous = block_layout(k, numel)
+    if k * block > numel // 4:
+        return exact_topk(values.abs(), k)
+    count = numel // block
+    full = count * block
+    offsets = torch.arange(block, device=values.device)
+    if contiguous:
+        grid = values[:full].view(count, block)
+        top = torch.topk(torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_()), k, sorted=False)
+        candidates = grid.index_select(0, top.indices).view(-1)
+        positions = (top.indices.unsqueeze(1) * block + offsets).view(-1)
+    else:
+        grid = values[:full].view(block, count)
+        top = torch.topk(torch.maximum(grid.amax(dim=0), grid.amin(dim=0).neg_()), k, sorted=False)
+        candidates = grid.index_select(1, top.indices).view(-1)
+        positions = (top.indices.unsqueeze(0) + offsets.unsqueeze(1) * count).view(-1)
+    if full < numel:
+        candidates = torch.cat([candidates, values[full:]])
+        positions = torch.cat([positions, torch.arange(full, numel, device=values.device)])
+    magnitude = candidates.abs().to(torch.float32)
+    if values.device.type == "cpu":  # fewer candidates for the last topk (a host sync elsewhere)
+        passed = torch.nonzero(magnitude >= top.values.min()).view(-1)
+        if passed.numel() >= k:  # always, unless the tensor holds NaN
+            positions, magnitude = positions.index_select(0, passed), magnitude.index_select(0, passed)
+    return positions[torch.topk(magnitude, k, sorted=False).indices]
+
+
+def threshold_indices(values: Tensor, threshold: float) -> Tensor:
+    """Indices of every ``|values_i| >= threshold``, in increasing order (as ``torch.nonzero``).
+
+    Blocks of 64 consecutive elements whose peak is below the threshold are skipped: one read pass for
+    the peaks, then work on the blocks that hold a selected element only (all of them, at worst).
+    """
+    numel = values.numel()
+    count = numel // CONTIGUOUS_BLOCK
+    full = count * CONTIGUOUS_BLOCK
+    grid = values[:full].view(count, CONTIGUOUS_BLOCK)
+    blocks = torch.nonzero(torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_()) >= threshold).view(-1)
+    if blocks.numel() * 4 > count:  # dense: pruning would not pay
+        return torch.nonzero(values.abs() >= threshold).view(-1)
+    offsets = torch.arange(CONTIGUOUS_BLOCK, device=values.device)
+    positions = (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1)
+    candidates = grid.index_select(0, blocks).view(-1)
+    if full < numel:
+        candidates = torch.cat([candidates, values[full:]])
+        positions = torch.cat([positions, torch.arange(full, numel, device=values.device)])
+    return positions[torch.nonzero(candidates.abs() >= threshold).view(-1)]
 
 
 def sampled_topk(

@@ -187,8 +187,8 @@ class InProcessDriver:
         results = []
         for position, collective in enumerate(first):
             tensors = [turn.collectives[position].tensor for turn in turns]
-            if collective.kind == "all_reduce":
-                total = tensors[0].clone()
+            if collective.kind == "all_reduce":  # in place in worker 0's tensor, as all_reduce does on a rank
+                total = tensors[0]
                 for tensor in tensors[1:]:
                     total.add_(tensor)
                 results.append(total)
