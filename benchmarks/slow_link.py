@@ -14,6 +14,8 @@ crashes is reported as such and the others still run: plain DDP, ``fp16_compress
 ``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and DGC at density 0.001, hard threshold,
 QSGD, and ``noop_hook``, the bound where communication costs nothing. Printed: the median step time over
 ``--steps`` steps after warm-up, and the ratios to plain DDP, to the bound and to PyTorch's PowerSGD.
+With ``--rounds R`` every method runs R times in turn and its steps are pooled, so that a slow spell of
+the machine (a shared VM's steal time) does not fall on one method alone.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method in turn this many times and pool the steps (evens out drift)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + VARIANTS)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -162,18 +166,25 @@ def main() -> None:
     if not args.no_netns:
         ensure_netns(args.rate)
         prefix = ["ip", "netns", "exec", NETNS]
-    medians: dict[str, float] = {}
+    methods = list(dict.fromkeys(args.methods))
+    steps: dict[str, list[float]] = {method: [] for method in methods}
     failures: dict[str, str] = {}
-    for method in args.methods:
-        times, failure = run_method(method, args, prefix)
-        if times:
-            medians[method] = statistics.median(times)
-        else:
-            failures[method] = failure
-        print(f"{method}: {f'{medians[method] * 1e3:.1f} ms' if times else failure}", file=sys.stderr, flush=True)
+    for round_index in range(args.rounds):
+        for method in methods:
+            if method in failures:
+                continue
+            times, failure = run_method(method, args, prefix)
+            if times:
+                steps[method].extend(times)
+            else:
+                failures[method] = failure
+            shown = f"{statistics.median(times) * 1e3:.1f} ms" if times else failure
+            print(f"round {round_index + 1}, {method}: {shown}", file=sys.stderr, flush=True)
+    medians = {method: statistics.median(times) for method, times in steps.items() if times and method not in failures}
     link = "loopback (unshaped)" if args.no_netns else f"{args.rate} (tc tbf in netns {NETNS})"
     print(f"# 2 processes, gloo, 1 thread each, {link}; {MODELS[args.model]}; DDP's default buckets; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.steps} steps after {args.warmup} warm-up" +
+          (f", pooled over {args.rounds} rounds that run every method in turn" if args.rounds > 1 else ""))
     from _timing import print_table
 
     powersgd_reference = "torch_powersgd" if "torch_powersgd" in medians else "torch_powersgd_1b"
@@ -185,7 +196,7 @@ def main() -> None:
         return f"{value:.2f}"
 
     rows = []
-    for method in args.methods:
+    for method in methods:
         if method in failures:
             rows.append([method, failures[method], "-", "-", "-"])
             continue

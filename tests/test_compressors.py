@@ -99,14 +99,44 @@ def test_qsgd_is_unbiased_within_statistical_tolerance(levels: int, bucket_size:
     assert torch.all((mean - x.double()).abs() <= 5 * standard_error + 1e-6)
 
 
-def test_qsgd_values_lie_on_the_levels_and_keep_sign() -> None:
+@pytest.mark.parametrize("levels", [1, 4, 16, 127, 1000, 2**30])
+def test_qsgd_values_lie_on_the_levels_and_keep_sign(levels: int) -> None:
     x = torch.randn(512)
-    compressor = QSGD(levels=4, bucket_size=512)
-    out = compressor.decompress(compressor.compress(x, ctx()))
-    levels = out.abs() / x.norm() * 4
-    assert torch.allclose(levels, levels.round(), atol=1e-4)
+    compressor = QSGD(levels=levels, bucket_size=512)
+    out = compressor.decompress(compressor.compress(x, ctx()), torch.float64)
+    norm = x.norm().double()  # the fp32 norm on the wire
+    scaled = out.abs() / norm * levels
+    tolerance = 1e-4 + 1e-6 * scaled  # fp32 arithmetic at large s
+    assert torch.all((scaled - scaled.round()).abs() <= tolerance)
     assert torch.all((out == 0) | (out.sign() == x.sign()))
+    # each value is one of the two levels around s|x_i|/||x||
+    exact = x.double().abs() / norm * levels
+    assert torch.all((scaled >= exact.floor() - tolerance) & (scaled <= exact.ceil() + tolerance))
     assert torch.equal(compressor.decompress(compressor.compress(torch.zeros(512), ctx())), torch.zeros(512))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_qsgd_accumulates_into_buckets_of_other_dtypes(dtype: torch.dtype) -> None:
+    x = torch.randn(1500)
+    compressor = QSGD(levels=16, bucket_size=512)
+    payload = compressor.compress(x.to(dtype), ctx())
+    reference = compressor.decompress(payload, torch.float32)
+    out = torch.ones(1500, dtype=dtype)
+    compressor.accumulate(payload, out, alpha=0.5)
+    assert torch.allclose(out.float(), 1 + 0.5 * reference, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_narrow_codes_are_packed_in_lanes(bits: int) -> None:
+    """The documented stream: g lanes of n/g codes; byte plane i holds bits 8i..8i+7 of each position's
+    little-endian concatenation of the lanes' codes."""
+    codes = torch.randint(0, 2**bits, (32,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack(codes, bits).to(torch.int64)
+    group, width = (2, 1) if bits == 4 else (4, 3)
+    lanes = codes.to(torch.int64).view(group, -1)
+    words = sum(lanes[j] << (j * bits) for j in range(group))
+    expected = torch.stack([(words >> (8 * i)) & 0xFF for i in range(width)])
+    assert torch.equal(packed.view(width, -1), expected)
 
 
 @pytest.mark.parametrize("levels,bits", [(1, 2), (4, 4), (15, 5), (16, 6), (64, 8), (255, 9), (65535, 17)])

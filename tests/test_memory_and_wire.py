@@ -32,6 +32,24 @@ def test_error_feedback_invariant_is_exact_for_sparsifiers(compressor) -> None:
         assert torch.all(residual[sent != 0] == 0)
 
 
+def test_error_feedback_reuses_two_buffers_on_cpu_and_a_void_step_keeps_the_residual_exactly() -> None:
+    memory, compressor = CompressionMemory(), TopK(0.01)
+    generator = torch.Generator().manual_seed(0)
+    storages = set()
+    for step in range(5):
+        corrected = memory.compensate("w", torch.randn(5000, generator=generator))
+        storages.add(corrected.data_ptr())
+        memory.update("w", corrected, _subtract(compressor, compressor.compress(corrected, CompressContext("w"))))
+    assert len(storages) == 2, "p and e alternate between two buffers instead of a fresh tensor per step"
+    before = memory.residuals["w"].clone()
+    corrected = memory.compensate("w", torch.randn(5000, generator=generator))
+    memory.update("w", corrected, _subtract(compressor, compressor.compress(corrected, CompressContext("w"))),
+                  finite=False)  # another worker's gradient was not finite: the step is void
+    assert torch.equal(memory.residuals["w"], before)
+    corrected = memory.compensate("w", torch.zeros(5000))
+    assert torch.equal(corrected, before), "the next step starts from the kept residual"
+
+
 def test_error_feedback_invariant_for_a_quantiser_up_to_rounding() -> None:
     memory, compressor = CompressionMemory(), QSGD(levels=4)
     for step in range(3):

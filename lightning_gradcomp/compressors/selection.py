@@ -78,7 +78,7 @@ def block_layout(k: int, numel: int) -> tuple[int, bool]:
     return int(min(32, max(8, 2 ** round(math.log2(math.sqrt(numel / k)))))), False
 
 
-def block_topk(values: Tensor, k: int) -> Tensor:
+def block_topk(values: Tensor, k: int, prune: Optional[bool] = None) -> Tensor:
     """Indices of the ``k`` largest ``|values_i|`` (unsorted), chosen among the ``k`` blocks with the
     largest peaks and the tail (see the module's docstring for why the set is exact).
 
@@ -87,6 +87,10 @@ def block_topk(values: Tensor, k: int) -> Tensor:
     ``j``); the last ``d mod b`` elements are always candidates. Cost on CPU at density 0.001: about 2
     copies of the tensor, against about 20 for ``torch.topk``. Falls back to exact ``topk`` where blocks
     would not prune (``k·b > d/4``).
+
+    ``prune`` (default: on CPU only) drops the candidates below the smallest kept peak before the last
+    ``topk``; its size depends on the data, a host synchronisation on accelerators, where the last
+    ``topk`` runs over all ``k·b`` candidates instead. Both give a top-``k`` set.
     """
     numel = values.numel()
     block, contiguous = block_layout(k, numel)
@@ -109,7 +113,7 @@ def block_topk(values: Tensor, k: int) -> Tensor:
         candidates = torch.cat([candidates, values[full:]])
         positions = torch.cat([positions, torch.arange(full, numel, device=values.device)])
     magnitude = candidates.abs().to(torch.float32)
-    if values.device.type == "cpu":  # fewer candidates for the last topk (a host sync elsewhere)
+    if values.device.type == "cpu" if prune is None else prune:
         passed = torch.nonzero(magnitude >= top.values.min()).view(-1)
         if passed.numel() >= k:  # always, unless the tensor holds NaN
             positions, magnitude = positions.index_select(0, passed), magnitude.index_select(0, passed)
