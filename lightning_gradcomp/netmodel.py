@@ -8,6 +8,8 @@ Notation: ``N`` workers, ``S`` bytes (the input of the collective on one worker)
   :math:`T = 2(N-1)\,α + 2\frac{N-1}{N}\frac{S}{B}`
 * ring all-gather of ``S`` bytes per worker:
   :math:`T = (N-1)\,α + (N-1)\frac{S}{B}`
+* all-to-all of ``S`` bytes per worker (``S/N`` to each worker, pairwise exchanges):
+  :math:`T = (N-1)\,α + \frac{N-1}{N}\frac{S}{B}`
 * parameter server, push then pull: every worker pushes ``S`` to the server and pulls the result;
   the server's link carries ``N`` streams each way:
   :math:`T = 2α + \frac{N S}{B_s} + \frac{N S_{pull}}{B_s}`,
@@ -80,18 +82,29 @@ class Network:
             return self._push_pull(nbytes, workers * nbytes, workers)
         return (workers - 1) * self.latency_s + (workers - 1) * nbytes / self.bytes_per_second
 
+    def all_to_all_time(self, nbytes: float, workers: int) -> float:
+        """Seconds for every worker to send a different ``nbytes / workers`` to each worker (its own stays)."""
+        if workers <= 1:
+            return 0.0
+        others = (workers - 1) / workers * nbytes
+        if self.topology == "parameter_server":  # relayed by the server: pushed, then pulled
+            return self._push_pull(others, others, workers)
+        return (workers - 1) * self.latency_s + others / self.bytes_per_second
+
     def _push_pull(self, push: float, pull: float, workers: int) -> float:
         server = (self.server_bandwidth_gbps * 1e9 / 8) if self.server_bandwidth_gbps else workers * self.bytes_per_second
         link = min(self.bytes_per_second, server / workers)
         return 2 * self.latency_s + push / link + pull / link
 
     def time(self, kind: str, nbytes: float, workers: int) -> float:
-        """Seconds for one collective of ``kind`` (``"all_reduce"`` or ``"all_gather"``)."""
+        """Seconds for one collective of ``kind`` (``"all_reduce"``, ``"all_gather"`` or ``"all_to_all"``)."""
         if kind == "all_reduce":
             return self.all_reduce_time(nbytes, workers)
         if kind == "all_gather":
             return self.all_gather_time(nbytes, workers)
-        raise ValueError(f"`kind` must be 'all_reduce' or 'all_gather', got {kind!r}")
+        if kind == "all_to_all":
+            return self.all_to_all_time(nbytes, workers)
+        raise ValueError(f"`kind` must be 'all_reduce', 'all_gather' or 'all_to_all', got {kind!r}")
 
     def step_time(self, collectives: Iterable[tuple[str, float]], workers: int) -> float:
         """Seconds for a sequence of collectives issued one after another."""

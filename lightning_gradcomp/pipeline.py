@@ -23,13 +23,16 @@ MAX_NUMEL = 2**31 - 1
 
 
 def resolve_error_feedback(compressor: Compressor, error_feedback: Optional[bool]) -> bool:
-    """``None`` follows the compressor (on when biased, unless it keeps its own residual)."""
+    """``None`` follows the compressor: its :attr:`~Compressor.default_error_feedback`, else on when
+    biased, unless it keeps its own residual."""
     if error_feedback and compressor.owns_residual:
         raise ValueError(
             f"`error_feedback` must be None or False with {type(compressor).__name__}, which keeps its own "
             "residual (allowed: None, False)"
         )
     if error_feedback is None:
+        if compressor.default_error_feedback is not None:
+            return compressor.default_error_feedback
         return compressor.biased and not compressor.owns_residual
     return bool(error_feedback)
 

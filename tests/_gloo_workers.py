@@ -39,7 +39,7 @@ class ListBucket:
 class CollectiveSpy:
     """Wraps torch.distributed's collectives and records the bytes of every input tensor handed to them."""
 
-    NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather")
+    NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all_single")
 
     def __init__(self) -> None:
         self.bytes = 0

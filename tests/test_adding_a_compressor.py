@@ -30,7 +30,8 @@ def test_the_documented_example_registers_and_passes_the_conformance_checks(scal
 
     compressor = get_compressor("scaled_sign")
     assert isinstance(compressor, scaled_sign)
-    conformance.test_declared_wire_format_is_what_the_protocol_hands_over("scaled_sign")
+    for workers in (1, 2, 4):
+        conformance.test_declared_wire_format_is_what_the_protocol_hands_over("scaled_sign", workers)
     conformance.test_error_feedback_invariant_and_a_world_of_one("scaled_sign")
     conformance.test_checkpoint_round_trip_continues_identically("scaled_sign")
 

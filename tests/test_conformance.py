@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import COMPRESSORS, CompressContext, Compressor, Payload, TopK
-from lightning_gradcomp.exchange.protocol import Mean, Outcome, Received
+from lightning_gradcomp.exchange.protocol import AllToAll, Mean, Outcome, Received
 from lightning_gradcomp.simulation import SimulatedExchange
 
 from tests._gloo_workers import conformance_settings
@@ -34,7 +34,9 @@ def grads(worker: int, step: int, dtype: torch.dtype = torch.float32) -> list[tu
 
 
 def drive_alone(compressor: Compressor, tensor: torch.Tensor, ctx: CompressContext) -> tuple[list[list], Outcome]:
-    """Run one tensor's protocol as a world of one worker; return the requests of each round."""
+    """Run one tensor's protocol as worker ``ctx.rank`` of ``ctx.world_size`` whose peers send what it
+    sends (a world of one by default); return the requests of each round."""
+    peers = ctx.world_size
     protocol = compressor.exchange(tensor, ctx)
     rounds, results = [], None
     while True:
@@ -43,21 +45,32 @@ def drive_alone(compressor: Compressor, tensor: torch.Tensor, ctx: CompressConte
         except StopIteration as stop:
             return rounds, stop.value
         rounds.append(list(turn.requests))
-        results = [request.tensor if isinstance(request, Mean) else [Received(request.parts, request.count)]
-                   for request in turn.requests]
+        results = [request.tensor if isinstance(request, Mean) else
+                   [Received(request.parts[ctx.rank], None)] * peers if isinstance(request, AllToAll) else
+                   [Received(request.parts, request.count)] * peers for request in turn.requests]
 
 
+def _parts(request) -> list[torch.Tensor]:
+    """The tensors a request hands over, in the order of ``wire_format`` (all-to-all: by destination)."""
+    if isinstance(request, Mean):
+        return [request.tensor]
+    if isinstance(request, AllToAll):
+        return [part for destination in request.parts for part in destination]
+    return list(request.parts)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("name", NAMES)
-def test_declared_wire_format_is_what_the_protocol_hands_over(name: str) -> None:
+def test_declared_wire_format_is_what_the_protocol_hands_over(name: str, workers: int) -> None:
     compressor = make(name)
     for param, shape in SHAPES.items():
         tensor = torch.randn(shape).reshape(-1)
-        ctx = CompressContext(param, step=0, rank=0, world_size=1, shape=shape)
+        ctx = CompressContext(param, step=0, rank=workers - 1, world_size=workers, shape=shape)
         rounds, outcome = drive_alone(compressor, tensor, ctx)
-        handed = [[(part.dtype, part.numel()) for request in requests
-                   for part in ((request.tensor,) if isinstance(request, Mean) else request.parts)]
+        handed = [[(part.dtype, part.numel()) for request in requests for part in _parts(request)]
                   for requests in rounds]
-        assert handed == compressor.wire_format(shape, tensor.dtype, outcome.count), (param, handed)
+        declared = compressor.wire_format(shape, tensor.dtype, outcome.count, world_size=workers)
+        assert handed == declared, (param, handed)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -11,7 +11,10 @@ from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import BF16, FP16, NoCompression
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.qsgd import QSGD
+from lightning_gradcomp.compressors.quantised import FP8AllReduce, Int4AllReduce, Int8AllReduce
+from lightning_gradcomp.compressors.sign import EFSignSGD, SignSGD
 from lightning_gradcomp.compressors.sparse import HardThreshold, RandomK, TopK
+from lightning_gradcomp.compressors.terngrad import TernGrad
 
 __all__ = [
     "BF16",
@@ -19,13 +22,19 @@ __all__ = [
     "CompressContext",
     "Compressor",
     "DGC",
+    "EFSignSGD",
     "FP16",
+    "FP8AllReduce",
     "HardThreshold",
+    "Int4AllReduce",
+    "Int8AllReduce",
     "NoCompression",
     "Payload",
     "PowerSGD",
     "QSGD",
     "RandomK",
+    "SignSGD",
+    "TernGrad",
     "TopK",
     "get_compressor",
 ]

@@ -110,6 +110,9 @@ class Compressor(ABC):
     biased: ClassVar[bool] = True
     #: The compressor keeps its own residual (DGC's velocity): the generic error feedback stays off.
     owns_residual: ClassVar[bool] = False
+    #: Error feedback by default, where the method's paper decides otherwise than :attr:`biased` (signSGD
+    #: with majority vote is biased and runs without it); ``None``: follow :attr:`biased`.
+    default_error_feedback: ClassVar[Optional[bool]] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -137,10 +140,12 @@ class Compressor(ABC):
         depends on the data (then counts are exchanged before gathering). Checked against every payload."""
         return numel
 
-    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None
-                    ) -> list[list[tuple[torch.dtype, int]]]:
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None,
+                    world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
         """Per round, ``(dtype, numel)`` of every tensor this worker hands over for one parameter of
-        ``shape``, when its payload carries ``count`` coordinates (default: the static count).
+        ``shape`` among ``world_size`` workers, when its payload carries ``count`` coordinates (default:
+        the static count). An :class:`~lightning_gradcomp.exchange.protocol.AllToAll` request lists its
+        parts destination after destination.
 
         The conformance suite checks it against what the drivers are handed."""
         numel = math.prod(shape)

@@ -96,8 +96,8 @@ class PowerSGD(Compressor):
             return None
         return n, m, r
 
-    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None
-                    ) -> list[list[tuple[torch.dtype, int]]]:
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None,
+                    world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
         """From ``start_step`` on: ``P`` (``n·r``) in round 1, ``Q`` (``m·r``) in round 2; or the dense tensor."""
         matrix = self.matrix_shape(shape)
         if matrix is None:

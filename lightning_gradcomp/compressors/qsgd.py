@@ -90,7 +90,7 @@ class QSGD(Compressor):
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         flat = tensor.reshape(-1).to(self._work_dtype)
-        norms = torch.cat([torch.linalg.vector_norm(rows, dim=1) for rows, _ in self._buckets(flat)])
+        norms = torch.cat([self._bucket_norms(rows) for rows, _ in self._buckets(flat)])
         scale = self.levels / norms.clamp_min(torch.finfo(norms.dtype).tiny)
         # c = floor(s + y + u) with y = s v / ||v|| in [-s, s]: one stochastic rounding of the signed level
         codes = torch.empty(numel, device=tensor.device, dtype=self._work_dtype).uniform_(
@@ -110,6 +110,11 @@ class QSGD(Compressor):
             rows.addcmul_(level_rows, weight[where].unsqueeze(1))
         if target is not out:
             out.add_(target.to(out.dtype))
+
+    @staticmethod
+    def _bucket_norms(rows: Tensor) -> Tensor:
+        """The norm of each row (bucket) that scales its levels: ``||v||_2``."""
+        return torch.linalg.vector_norm(rows, dim=1)
 
     def _buckets(self, flat: Tensor) -> list[tuple[Tensor, slice]]:
         """``flat`` as rows of ``bucket_size`` (views), the last bucket possibly shorter, with the

@@ -4,12 +4,13 @@ Exact ``torch.topk`` over a large tensor costs far more than a pass over memory 
 tensor on CPU). Three methods return the indices of the ``k`` largest ``|x_i|`` (unsorted):
 
 * ``"blocks"`` (:func:`block_topk`, the default): split the tensor into blocks of ``b`` elements, take
-  each block's peak ``max |x_i|`` (one read pass, no ``|x|`` materialised), keep the ``k`` blocks with the
-  largest peaks and choose among their ``k·b`` elements. The result is *always* an exact top-``k`` set:
-  with ``β`` the smallest kept peak, the ``k`` kept blocks hold at least ``k`` elements ``>= β``, so the
-  ``k``-th largest magnitude ``τ >= β``, and any element above ``β`` lies in a block whose peak exceeds
-  ``β``, which is kept. The block size ``b ≈ 1/√density`` balances the ``d/b`` peaks against the
-  ``k·b`` candidates. No host synchronisation on accelerators (fixed sizes throughout).
+  each block's peak ``max |x_i|`` (a max and a min per block, no ``|x|`` materialised), keep the ``k``
+  blocks with the largest peaks and choose among their ``k·b`` elements. The result is *always* an
+  exact top-``k`` set: with ``β`` the smallest kept peak, the ``k`` kept blocks hold at least ``k``
+  elements ``>= β``, so the ``k``-th largest magnitude ``τ >= β``, and any element above ``β`` lies in
+  a block whose peak exceeds ``β``, which is kept. Blocks are 64 consecutive elements at densities up
+  to 1/512, else ``b ≈ 1/√density`` elements apart, which balances the ``d/b`` peaks against the
+  ``k·b`` candidates (:func:`block_layout`). No host synchronisation on accelerators.
 * ``"sampled"`` (:func:`sampled_topk`): Deep Gradient Compression's threshold estimated from a random
   sample of about 1% of the elements (Lin et al., ICLR 2018, §3 and its reference code), refined so
   that the result is exactly Top-k whenever at least ``k`` elements pass (then the true top ``k`` are
@@ -78,6 +79,19 @@ def block_layout(k: int, numel: int) -> tuple[int, bool]:
     return int(min(32, max(8, 2 ** round(math.log2(math.sqrt(numel / k)))))), False
 
 
+def peak_magnitudes(grid: Tensor, dim: int) -> Tensor:
+    """``max |x|`` along ``dim``: a max and a min (vectorised reductions), no ``|x|`` materialised."""
+    return torch.maximum(grid.amax(dim=dim), grid.amin(dim=dim).neg_())
+
+
+def _with_tail(values: Tensor, full: int, candidates: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """Append the elements after the last whole block (``values[full:]``) to the candidates."""
+    if full == values.numel():
+        return candidates, positions
+    tail = torch.arange(full, values.numel(), device=values.device)
+    return torch.cat([candidates, values[full:]]), torch.cat([positions, tail])
+
+
 def block_topk(values: Tensor, k: int, prune: Optional[bool] = None) -> Tensor:
     """Indices of the ``k`` largest ``|values_i|`` (unsorted), chosen among the ``k`` blocks with the
     largest peaks and the tail (see the module's docstring for why the set is exact).
@@ -101,17 +115,15 @@ def block_topk(values: Tensor, k: int, prune: Optional[bool] = None) -> Tensor:
     offsets = torch.arange(block, device=values.device)
     if contiguous:
         grid = values[:full].view(count, block)
-        top = torch.topk(torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_()), k, sorted=False)
+        top = torch.topk(peak_magnitudes(grid, 1), k, sorted=False)
         candidates = grid.index_select(0, top.indices).view(-1)
         positions = (top.indices.unsqueeze(1) * block + offsets).view(-1)
     else:
         grid = values[:full].view(block, count)
-        top = torch.topk(torch.maximum(grid.amax(dim=0), grid.amin(dim=0).neg_()), k, sorted=False)
+        top = torch.topk(peak_magnitudes(grid, 0), k, sorted=False)
         candidates = grid.index_select(1, top.indices).view(-1)
         positions = (top.indices.unsqueeze(0) + offsets.unsqueeze(1) * count).view(-1)
-    if full < numel:
-        candidates = torch.cat([candidates, values[full:]])
-        positions = torch.cat([positions, torch.arange(full, numel, device=values.device)])
+    candidates, positions = _with_tail(values, full, candidates, positions)
     magnitude = candidates.abs().to(torch.float32)
     if values.device.type == "cpu" if prune is None else prune:
         passed = torch.nonzero(magnitude >= top.values.min()).view(-1)
@@ -130,15 +142,12 @@ def threshold_indices(values: Tensor, threshold: float) -> Tensor:
     count = numel // CONTIGUOUS_BLOCK
     full = count * CONTIGUOUS_BLOCK
     grid = values[:full].view(count, CONTIGUOUS_BLOCK)
-    blocks = torch.nonzero(torch.maximum(grid.amax(dim=1), grid.amin(dim=1).neg_()) >= threshold).view(-1)
+    blocks = torch.nonzero(peak_magnitudes(grid, 1) >= threshold).view(-1)
     if blocks.numel() * 4 > count:  # dense: pruning would not pay
         return torch.nonzero(values.abs() >= threshold).view(-1)
     offsets = torch.arange(CONTIGUOUS_BLOCK, device=values.device)
-    positions = (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1)
-    candidates = grid.index_select(0, blocks).view(-1)
-    if full < numel:
-        candidates = torch.cat([candidates, values[full:]])
-        positions = torch.cat([positions, torch.arange(full, numel, device=values.device)])
+    candidates, positions = _with_tail(values, full, grid.index_select(0, blocks).view(-1),
+                                       (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1))
     return positions[torch.nonzero(candidates.abs() >= threshold).view(-1)]
 
 

@@ -109,6 +109,10 @@ class TorchDriver(_ByteCounter):
         if collective.kind == "all_reduce":
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
             return work.get_future(), tensor, collective
+        if collective.kind == "all_to_all":
+            output = torch.empty_like(tensor)
+            work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
+            return work.get_future(), output.view(self.world_size, -1), collective
         output = tensor.new_empty(self.world_size * tensor.numel())
         work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
         return work.get_future(), output.view(self.world_size, -1), collective
@@ -129,9 +133,10 @@ class InProcessDriver:
 
     Per step: :meth:`start` once per worker, in worker order (each worker's protocol runs to its first
     round at once, so the simulation can go on to the next worker's backward), then :meth:`finish`.
-    ``all_reduce`` is a sum in worker order; ``all_gather`` stacks the workers' tensors. Every worker
-    receives the same result tensors (protocols treat results as read-only). Bytes are counted per
-    worker, exactly as :class:`TorchDriver` counts them on each rank.
+    ``all_reduce`` is a sum in worker order; ``all_gather`` stacks the workers' tensors; ``all_to_all``
+    hands worker ``w`` row ``w`` of every worker's tensor. Every worker receives the same tensors for
+    the first two (protocols treat results as read-only). Bytes are counted per worker, exactly as
+    :class:`TorchDriver` counts them on each rank.
     """
 
     def __init__(self, workers: int) -> None:
@@ -162,7 +167,7 @@ class InProcessDriver:
                 results = self._combine()
                 for worker, protocol in enumerate(self._protocols):
                     try:
-                        self._turns[worker] = protocol.send(results)
+                        self._turns[worker] = protocol.send(results[worker])
                     except StopIteration as stop:
                         self._turns[worker] = None
                         self._reports[worker] = stop.value
@@ -170,7 +175,8 @@ class InProcessDriver:
         finally:
             self._protocols, self._turns, self._reports = [], [], []
 
-    def _combine(self) -> list[Tensor]:
+    def _combine(self) -> list[list[Tensor]]:
+        """Each worker's results of the current round's collectives."""
         turns = self._turns
         if any(turn is None for turn in turns):
             raise RuntimeError("gradcomp simulation: the workers' exchanges have different numbers of rounds")
@@ -184,16 +190,22 @@ class InProcessDriver:
                 )
             for collective in turn.collectives:
                 self.counters[worker].count(collective)
-        results = []
+        results: list[list[Tensor]] = [[] for _ in turns]
         for position, collective in enumerate(first):
             tensors = [turn.collectives[position].tensor for turn in turns]
+            if collective.kind == "all_to_all":  # (source, destination, row) -> worker w gets [:, w]
+                rows = torch.stack([tensor.view(self.workers, -1) for tensor in tensors])
+                for worker, worker_results in enumerate(results):
+                    worker_results.append(rows[:, worker])
+                continue
             if collective.kind == "all_reduce":  # in place in worker 0's tensor, as all_reduce does on a rank
-                total = tensors[0]
+                combined = tensors[0]
                 for tensor in tensors[1:]:
-                    total.add_(tensor)
-                results.append(total)
+                    combined.add_(tensor)
             else:
-                results.append(torch.stack(tensors))
+                combined = torch.stack(tensors)
+            for worker_results in results:
+                worker_results.append(combined)
         return results
 
 

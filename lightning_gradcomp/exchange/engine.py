@@ -15,6 +15,8 @@
   ``all_gather``; see :mod:`~lightning_gradcomp.exchange.wire`). When a gathered size depends on the
   data, the counts go first in a small ``all_gather`` and every worker pads to the largest buffer (gloo
   needs equal sizes).
+  :class:`~lightning_gradcomp.exchange.protocol.AllToAll` requests go into one ``all_to_all`` of ``N``
+  equal rows, row ``c`` holding every tensor's parts for worker ``c``.
 * Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
   order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
 * Non-finite gradients: one reduction per gradient; a one-element flag (0, or NaN when this worker's
@@ -38,7 +40,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Finite, all_finite
 from lightning_gradcomp.exchange import wire
-from lightning_gradcomp.exchange.protocol import Gather, Mean, Received, Round
+from lightning_gradcomp.exchange.protocol import AllToAll, Gather, Mean, Received, Round
 from lightning_gradcomp.pipeline import WorkerPipeline
 from lightning_gradcomp.telemetry import Stopwatch
 
@@ -55,10 +57,12 @@ class Entry:
 
 @dataclass
 class Collective:
-    """A collective for the driver: ``all_reduce`` (sum, in place) or ``all_gather`` of a 1-D tensor of
-    the same size on every worker (result: ``(N, numel)``)."""
+    """A collective for the driver, on a 1-D tensor of the same size on every worker: ``all_reduce`` (sum,
+    in place), ``all_gather`` (result: ``(N, numel)``, row ``w`` from worker ``w``) or ``all_to_all``
+    (the tensor is ``N`` equal rows, row ``c`` for worker ``c``; result: ``(N, numel / N)``, row ``w``
+    from worker ``w``)."""
 
-    kind: Literal["all_reduce", "all_gather"]
+    kind: Literal["all_reduce", "all_gather", "all_to_all"]
     tensor: Tensor
 
     @property
@@ -119,7 +123,7 @@ class ExchangeEngine:
         waiting_turns: dict[int, Round] = {}
         while pending:
             final = all(turn.last for turn in pending.values())
-            merged = _MergedRound(pending, world_size, device, _poison_flag(finite, device) if final else None)
+            merged = _MergedRound(pending, rank, world_size, device, _poison_flag(finite, device) if final else None)
             if merged.needs_header:
                 (counts,) = yield CollectiveRound([Collective("all_gather", merged.header())], final=False)
                 merged.read_header(counts)
@@ -215,8 +219,9 @@ def _poison(entries: Sequence[Entry], flag: Tensor) -> None:
 class _MergedRound:
     """The requests of one round of every pending tensor, merged into one collective per kind and dtype."""
 
-    def __init__(self, pending: dict[int, Round], world_size: int, device: torch.device,
+    def __init__(self, pending: dict[int, Round], rank: int, world_size: int, device: torch.device,
                  flag: Optional[Tensor] = None) -> None:
+        self.rank = rank
         self.world_size = world_size
         self.device = device
         self.flag = flag  # the final round's poison flag (see _poison_flag)
@@ -224,6 +229,7 @@ class _MergedRound:
         self.poison = torch.zeros((), device=device)
         self.means: dict[torch.dtype, list[tuple[int, int, Mean]]] = {}
         self.gathers: list[tuple[int, int, Gather]] = []
+        self.exchanges: list[tuple[int, int, AllToAll]] = []
         self.shapes: dict[int, int] = {}
         for index, turn in pending.items():
             self.shapes[index] = len(turn.requests)
@@ -232,12 +238,19 @@ class _MergedRound:
                     self.means.setdefault(request.tensor.dtype, []).append((index, position, request))
                 elif isinstance(request, Gather):
                     self.gathers.append((index, position, request))
+                elif isinstance(request, AllToAll):
+                    if len(request.parts) != world_size:
+                        raise ValueError(f"gradcomp: an AllToAll request holds {len(request.parts)} destinations for "
+                                         f"{world_size} workers")
+                    self.exchanges.append((index, position, request))
                 else:
-                    raise TypeError(f"gradcomp: unknown request {type(request).__name__} (allowed: Mean, Gather)")
+                    raise TypeError(f"gradcomp: unknown request {type(request).__name__} "
+                                    "(allowed: Mean, Gather, AllToAll)")
         self.dynamic = [request for _, _, request in self.gathers if request.count is not None]
         self.rank_specs: Optional[list[list[list[wire.PartSpec]]]] = None
         self.rank_counts: Optional[list[list[Optional[int]]]] = None
         self.gather_layouts: list[tuple[list[list[wire.Slot]], int]] = []
+        self.exchange_slots: list[list[wire.Slot]] = []  # the layout of the rows this worker receives
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -287,9 +300,23 @@ class _MergedRound:
                 own = [_specs(request, request.count) for _, _, request in self.gathers] + extra
                 parts = [request.parts for _, _, request in self.gathers] + ([(self.flag,)] if extra else [])
                 ops.append(Collective("all_gather", wire.serialize(parts, wire.layout(own)[0], longest, self.device)))
+        if self.exchanges:
+            ops.append(Collective("all_to_all", self._all_to_all_input()))
         if self.flag_place == "alone":
             ops.append(Collective("all_reduce", self.flag.clone()))
         return ops
+
+    def _all_to_all_input(self) -> Tensor:
+        """``N`` rows of equal length, row ``c`` holding every request's parts for worker ``c`` (padded to
+        the longest row; each destination's layout is the same on every worker)."""
+        layouts = [wire.layout([[(part.dtype, part.numel()) for part in request.parts[destination]]
+                                for _, _, request in self.exchanges])
+                   for destination in range(self.world_size)]
+        self.exchange_slots = layouts[self.rank][0]
+        longest = max(total for _, total in layouts)
+        rows = [wire.serialize([request.parts[destination] for _, _, request in self.exchanges], slots, longest,
+                               self.device) for destination, (slots, _) in enumerate(layouts)]
+        return torch.cat(rows)
 
     def split(self, results: list[Tensor]) -> dict[int, list]:
         """Each tensor's results, in the order of its requests (and the flag's sum in :attr:`poison`)."""
@@ -314,6 +341,14 @@ class _MergedRound:
                 for request_index, parts in enumerate(payloads):
                     received[request_index].append(Received(parts, counts[request_index]))
             for (index, position, _), rows_of_request in zip(self.gathers, received):
+                per_tensor[index][position] = rows_of_request
+        if self.exchanges:
+            rows = next(results_iter)
+            received = [[] for _ in self.exchanges]
+            for row in rows:
+                for request_index, parts in enumerate(wire.deserialize(row, self.exchange_slots)):
+                    received[request_index].append(Received(parts, None))
+            for (index, position, _), rows_of_request in zip(self.exchanges, received):
                 per_tensor[index][position] = rows_of_request
         if self.flag_place == "alone":
             self.poison = next(results_iter)[0]

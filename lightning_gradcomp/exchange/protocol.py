@@ -15,6 +15,8 @@ Each :class:`Round` lists requests; ``results`` holds one result per request, in
 * :class:`Gather` — every worker's parts. Result: a list, one :class:`Received` per worker (in rank
   order), holding that worker's 1-D parts and its count. Parts may differ in size between workers only when
   ``count`` is given (data-dependent sizes): the engine then exchanges the counts first and pads.
+* :class:`AllToAll` — a different part for every worker. Result: a list, one :class:`Received` per
+  worker (in rank order), holding the parts that worker sent to this one.
 
 Results are **read-only** (in the simulation every worker receives the same tensor): a protocol that
 needs to change one works on a copy. The sequence of rounds and requests (their kinds and dtypes, and
@@ -61,6 +63,16 @@ class Gather:
             raise ValueError("Gather: `part_numels` is required when `count` is given")
 
 
+@dataclass
+class AllToAll:
+    """Send ``parts[c]`` (1-D tensors) to worker ``c``, for every worker ``c``; receive the parts every
+    worker sends to this one (a reduce-scatter's first half: each worker owns one chunk). The sizes sent
+    to a given worker must be the same on every worker. Result: a list, one :class:`Received` per source
+    worker (in rank order, ``count`` ``None``)."""
+
+    parts: Sequence[tuple[Tensor, ...]]
+
+
 class Received(NamedTuple):
     """One worker's parts of a :class:`Gather` (views into the gathered buffer) and its ``count``
     (``None`` when sizes are the same on every worker)."""
@@ -69,7 +81,7 @@ class Received(NamedTuple):
     count: Optional[int]
 
 
-Request = Union[Mean, Gather]
+Request = Union[Mean, Gather, AllToAll]
 
 
 @dataclass

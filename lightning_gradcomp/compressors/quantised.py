@@ -1,0 +1,202 @@
+r"""Quantised all-reduce: a reduce-scatter of block-quantised chunks, then an all-gather of the
+re-quantised averages, so that each worker's traffic stays flat in the number of workers.
+
+The gathered compressors (Top-k, QSGD, ...) hand every worker N payloads; a ring all-reduce moves about
+:math:`2\frac{N-1}{N}d` elements per worker whatever N. This exchange keeps the all-reduce's shape with
+b-bit codes (the scheme of DeepSpeed ZeRO++'s qgZ and of torchft's quantised all-reduce):
+
+1. **all-to-all**: worker ``w`` splits its tensor ``p_w`` into ``N`` chunks of ``m = ⌈d/N⌉`` elements
+   (the last zero-padded), quantises every block of ``block_size`` elements with its own fp32 scale
+   and sends chunk ``c`` to worker ``c``;
+2. worker ``c`` dequantises the ``N`` versions of its chunk and averages them in fp32,
+   :math:`\bar p_c = \frac1N\sum_w Q(p_{w,c})`, then re-quantises :math:`\bar p_c` (plus its owner
+   residual, below);
+3. **all-gather** of the re-quantised chunks: every worker dequantises all of them.
+
+Bytes handed over per worker and tensor: :math:`N m (b/8 + 4/B)` to the all-to-all and
+:math:`m (b/8 + 4/B)` to the all-gather; on the wire (each worker keeps its own chunk)
+:math:`2\frac{N-1}{N} d\,(b/8 + 4/B)` bytes, the ring all-reduce's volume at ``b`` bits instead of 32.
+
+Error feedback acts on both quantisations: the generic residual (on by default) keeps what the
+worker's own quantisation dropped, :math:`e_w = p_w - Q(p_w)`, and with ``owner_error_feedback`` the
+owner of chunk ``c`` keeps :math:`r_c = (\bar p_c + r_c) - Q(\bar p_c + r_c)` (per parameter, in the
+checkpointed compressor state; restarted when the number of workers changes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import (
+    CompressContext,
+    Compressor,
+    all_finite,
+    check_bool,
+    check_int,
+    keep_if_finite,
+)
+from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.compressors.selection import peak_magnitudes
+from lightning_gradcomp.exchange.protocol import AllToAll, Gather, Outcome, Protocol, Round
+
+OWNER_RESIDUAL = "owner_residual"
+
+
+class _QuantisedAllReduce(Compressor):
+    """The two-round exchange; subclasses give the block codec (:meth:`_encode`, :meth:`_decode`)."""
+
+    #: Largest code magnitude: a block's values are scaled so that its peak maps to it.
+    code_max: float = 127.0
+
+    def __init__(self, block_size: int = 256, owner_error_feedback: bool = True) -> None:
+        self.block_size = check_int(block_size, "block_size", 1)
+        self.owner_error_feedback = check_bool(owner_error_feedback, "owner_error_feedback")
+
+    def hparams(self) -> dict[str, Any]:
+        return {"block_size": self.block_size, "owner_error_feedback": self.owner_error_feedback}
+
+    # ------------------------------------------------------------------ the codec
+    def _code_nbytes(self, numel: int) -> int:
+        """Bytes of the codes of ``numel`` elements."""
+        return numel
+
+    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """``(codes as uint8, one fp32 scale per block)`` of a ``(blocks, block_size)`` fp32 tensor."""
+        raise NotImplementedError
+
+    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """The ``(blocks, block_size)`` fp32 values that ``codes`` and ``scales`` stand for."""
+        raise NotImplementedError
+
+    def _scales(self, blocks: Tensor) -> Tensor:
+        """Per block, ``peak / code_max`` (1 for an all-zero block, so that codes stay finite)."""
+        peaks = peak_magnitudes(blocks, 1)
+        return torch.where(peaks > 0, peaks / self.code_max, torch.ones_like(peaks))
+
+    # ------------------------------------------------------------------ sizes
+    def _chunk(self, numel: int, world_size: int) -> tuple[int, int]:
+        """``(m, padded)``: elements of a chunk, and that rounded up to whole blocks."""
+        chunk = -(-numel // world_size)
+        return chunk, -(-chunk // self.block_size) * self.block_size
+
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None,
+                    world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
+        _, padded = self._chunk(math.prod(shape), world_size)
+        part = [(torch.uint8, self._code_nbytes(padded)), (torch.float32, padded // self.block_size)]
+        return [part * world_size, part]
+
+    # ------------------------------------------------------------------ the protocol
+    def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
+        numel, workers = tensor.numel(), ctx.world_size
+        chunk, padded = self._chunk(numel, workers)
+        flat, own = tensor.reshape(-1), tensor.new_zeros(workers, padded, dtype=torch.float32)
+        whole = numel // chunk  # chunks without padding; then at most one partial chunk
+        own[:whole, :chunk] = flat[: whole * chunk].view(whole, chunk)
+        if whole < workers:
+            own[whole, : numel - whole * chunk] = flat[whole * chunk:]
+        encoded = [self._encode(own[c].view(-1, self.block_size)) for c in range(workers)]
+        (versions,) = yield Round([AllToAll(encoded)])
+
+        total = torch.zeros(padded // self.block_size, self.block_size, device=tensor.device)
+        for received in versions:
+            total.add_(self._decode(*received.parts))
+        mean = total.div_(workers)
+        previous = ctx.state.get(OWNER_RESIDUAL)
+        if self.owner_error_feedback and previous is not None and previous.shape == mean.shape:
+            mean.add_(previous)
+        owner_codes, owner_scales = self._encode(mean)
+        owner_residual = mean.sub_(self._decode(owner_codes, owner_scales)) if self.owner_error_feedback else None
+        (gathered,) = yield Round([Gather((owner_codes, owner_scales))], last=True)
+        if owner_residual is not None:  # ctx.finite is final now: a void step keeps the old residual
+            finite = ctx.finite if ctx.finite is not True else all_finite(owner_residual)
+            kept = keep_if_finite(owner_residual, previous, finite)
+            if kept is not None:
+                ctx.state[OWNER_RESIDUAL] = kept
+
+        def write(out: Tensor) -> None:
+            chunks = torch.stack([self._decode(*row.parts).view(-1)[:chunk] for row in gathered])
+            out.copy_(chunks.view(-1)[:numel])
+
+        def subtract(residual: Tensor) -> None:  # e = p - Q(p): this worker's own quantisation
+            sent = torch.stack([self._decode(*parts).view(-1)[:chunk] for parts in encoded])
+            residual.sub_(sent.view(-1)[:numel].to(residual.dtype))
+
+        return Outcome(numel, subtract, write)
+
+
+class Int8AllReduce(_QuantisedAllReduce):
+    r"""Quantised all-reduce with int8 codes: per block of ``block_size`` elements,
+    :math:`q_i = \operatorname{round}(127\,x_i / \max_j |x_j|)` and one fp32 scale (8 bits plus
+    :math:`32/B` per element, about 3.9x fewer bytes than fp32 at ``B = 256``). See the module's
+    docstring for the exchange; error feedback on both quantisations by default.
+    """
+
+    name = "int8"
+
+    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        scales = self._scales(blocks)
+        codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+        return codes.view(torch.uint8).reshape(-1), scales
+
+    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return codes.view(torch.int8).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
+
+
+class Int4AllReduce(_QuantisedAllReduce):
+    r"""Quantised all-reduce with 4-bit codes: :math:`q_i = \operatorname{round}(7\,x_i / \max_j |x_j|)`
+    in ``[-7, 7]``, sent as ``q_i + 8`` two per byte, and one fp32 scale per block (about 7.5x fewer
+    bytes than fp32 at ``B = 256``). Error feedback matters more here than at 8 bits.
+    """
+
+    name = "int4"
+    code_max = 7.0
+
+    def _code_nbytes(self, numel: int) -> int:
+        return packed_nbytes(numel, 4)
+
+    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        scales = self._scales(blocks)
+        codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
+        return pack(codes.reshape(-1), 4), scales
+
+    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
+        numel = scales.numel() * self.block_size
+        values = unpack(codes, 4, numel, dtype=torch.float32).sub_(8)
+        return values.view(scales.numel(), -1).mul_(scales.unsqueeze(1))
+
+
+class FP8AllReduce(_QuantisedAllReduce):
+    r"""Quantised all-reduce with 8-bit floats: per block, :math:`x_i \cdot F / \max_j |x_j|` rounded to
+    ``float8_e4m3fn`` (``F = 448``, 3 mantissa bits) or ``float8_e5m2`` (``F = 57344``, more range, 2
+    mantissa bits), and one fp32 scale. Relative rather than absolute rounding error: small entries of
+    a block keep their precision, where int8 flushes those below ``peak/254`` to zero.
+
+    Args:
+        format: ``"e4m3"`` (default) or ``"e5m2"``.
+    """
+
+    name = "fp8"
+
+    def __init__(self, format: Literal["e4m3", "e5m2"] = "e4m3", block_size: int = 256,
+                 owner_error_feedback: bool = True) -> None:
+        if format not in ("e4m3", "e5m2"):
+            raise ValueError(f"`format` must be 'e4m3' or 'e5m2', got {format!r}")
+        super().__init__(block_size, owner_error_feedback)
+        self.format = format
+        self._dtype = torch.float8_e4m3fn if format == "e4m3" else torch.float8_e5m2
+        self.code_max = float(torch.finfo(self._dtype).max)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"format": self.format, **super().hparams()}
+
+    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        scales = self._scales(blocks)
+        codes = (blocks / scales.unsqueeze(1)).clamp_(-self.code_max, self.code_max).to(self._dtype)
+        return codes.view(torch.uint8).reshape(-1), scales
+
+    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return codes.view(self._dtype).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))

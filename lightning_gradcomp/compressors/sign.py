@@ -1,0 +1,113 @@
+"""The sign family: one bit per element and one scale per tensor.
+
+Wire format of both: the signs bit-packed (bit 1 = negative; ``ceil(d/8)`` bytes, a zero is sent as
+``+``: one bit cannot carry it) and one fp32 scale, so an fp32 gradient costs ``d/8 + 4`` bytes
+instead of ``4d``, a 32x ratio for large tensors. Both payloads are gathered (a vote and an average of
+scaled signs are not sums of the payloads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.exchange.protocol import Gather, Outcome, Protocol, Round
+
+
+class _ScaledSigns(Compressor):
+    """``C(p) = scale · sign(p)`` on the wire as sign bits and one fp32 scale."""
+
+    def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (torch.uint8, torch.float32)
+
+    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
+        return (packed_nbytes(numel, 1), 1)
+
+    @staticmethod
+    def _signs(tensor: Tensor, scale: Tensor) -> Payload:
+        """The payload of ``scale · sign(tensor)`` (``scale``: a 0-d or 1-element tensor, no host sync)."""
+        return Payload((pack(torch.lt(tensor, 0), 1), scale.reshape(1).float()), tensor.numel(), tensor.numel())
+
+    def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
+        """``out += alpha · scale · (1 − 2·bit)``: two passes, no dense ±1 tensor."""
+        bits, scale = payload.parts
+        negative = unpack(bits, 1, payload.numel, dtype=out.dtype)
+        scale = scale.to(out.dtype)
+        out.add_(scale * alpha).addcmul_(negative, scale, value=-2.0 * alpha)
+
+
+class EFSignSGD(_ScaledSigns):
+    r"""EF-signSGD (Karimireddy, Rebjock, Stich & Jaggi, ICML 2019, "Error feedback fixes SignSGD").
+
+    .. math:: C(p) = \frac{\|p\|_1}{d}\,\operatorname{sign}(p)
+
+    applied to the error-corrected ``p = g + e`` (error feedback on by default, as the method requires);
+    the workers' ``C(p)`` are averaged. The scale makes the update the size of an SGD step, so SGD's
+    usual learning rates apply. 1 bit per element plus one fp32 scale per tensor.
+    """
+
+    name = "efsignsgd"
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        return self._signs(tensor, torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel())
+
+
+class SignSGD(_ScaledSigns):
+    r"""signSGD with majority vote (Bernstein, Zhao, Azizzadenesheli & Anandkumar, ICLR 2019).
+
+    Each worker sends the signs of its gradient; the aggregate is the vote
+
+    .. math:: \tilde g = \gamma \cdot \operatorname{sign}\Big(\sum_{w=1}^{N} \operatorname{sign}(g_w)\Big)
+
+    (0 where the vote ties). The scale of the update: with ``scale="none"`` :math:`\gamma = 1`, the
+    paper's update of ``±lr`` per coordinate (its experiments use learning rates around 1e-4 to 1e-3
+    with SGD); with ``scale="mean"`` (default) :math:`\gamma` is the workers' mean of
+    :math:`\|g_w\|_1/d`, the size of an average coordinate, so SGD's usual learning rates apply. Either
+    way the direction is the majority vote.
+
+    Error feedback is off by default, as in the paper. A coordinate whose gradient is zero on every
+    worker is sent as ``+`` (one bit has no zero) and moves by :math:`\gamma`: prefer
+    :class:`EFSignSGD` or TernGrad for models with many exactly-zero gradients (unused embeddings).
+    1 bit per element plus one fp32 scale per tensor.
+
+    Args:
+        scale: ``"mean"`` or ``"none"``.
+    """
+
+    name = "signsgd"
+    default_error_feedback = False
+
+    def __init__(self, scale: Literal["mean", "none"] = "mean") -> None:
+        if scale not in ("mean", "none"):
+            raise ValueError(f"`scale` must be 'mean' or 'none', got {scale!r}")
+        self.scale = scale
+
+    def hparams(self) -> dict[str, Any]:
+        return {"scale": self.scale}
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        if self.scale == "none":
+            scale = torch.ones((), device=tensor.device)
+        else:
+            scale = torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel()
+        return self._signs(tensor, scale)
+
+    def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
+        """One gather of every worker's signs and scale; the aggregate is the scaled majority vote."""
+        payload = self.compress(tensor, ctx)
+        self.check_payload(payload, tensor.dtype, ctx.name)
+        (rows,) = yield Round([Gather(payload.parts)], last=True)
+
+        def write(out: Tensor) -> None:
+            votes = torch.zeros(payload.numel, dtype=torch.float32, device=out.device)
+            for row in rows:  # votes = sum over workers of (1 - 2·bit) = N - 2·(negative votes)
+                votes.add_(unpack(row.parts[0], 1, payload.numel, dtype=torch.float32))
+            votes.mul_(-2.0).add_(len(rows)).sign_()
+            scale = torch.stack([row.parts[1].reshape(()) for row in rows]).mean()
+            out.copy_(votes.mul_(scale))
+
+        return Outcome(payload.count, lambda residual: self.accumulate(payload, residual, alpha=-1.0), write, payload)

@@ -1,0 +1,79 @@
+"""Quantised all-reduce (int8, int4, fp8): the average it returns, error feedback on both quantisations,
+and bytes on the wire that stay flat in the number of workers while gathered compressors grow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import QSGD, FP8AllReduce, Int4AllReduce, Int8AllReduce
+from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.simulation import SimulatedExchange
+
+#: Relative error of one step's average for Gaussian gradients (block size 256): about half a code step.
+ONE_STEP_ERROR = {"int8": 0.02, "int4": 0.3, "fp8": 0.08}
+MAKERS = {"int8": Int8AllReduce, "int4": Int4AllReduce, "fp8": FP8AllReduce}
+
+
+def _grads(workers: int, step: int, numel: int = 5000) -> list[torch.Tensor]:
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + w)) for w in range(workers)]
+
+
+def _step(exchange: SimulatedExchange, grads: list[torch.Tensor]) -> torch.Tensor:
+    for worker, grad in enumerate(grads):
+        exchange.add_worker(worker, [("w", grad)])
+    return exchange.finish_step()["w"]
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 8])
+def test_one_step_returns_the_average_within_the_codes_precision(name: str, workers: int) -> None:
+    exchange = SimulatedExchange(MAKERS[name](), workers, min_compress_numel=1)
+    grads = _grads(workers, 0)
+    aggregate, mean = _step(exchange, grads), torch.stack(grads).mean(0)
+    assert float((aggregate - mean).norm() / mean.norm()) < ONE_STEP_ERROR[name]
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_error_feedback_on_both_quantisations_keeps_the_running_sum(name: str) -> None:
+    """With both residuals, sum_t aggregate_t = sum_t mean_t - (residuals): the error of the running sum
+    stays bounded instead of growing with the steps."""
+    workers, steps = 4, 20
+    exchange = SimulatedExchange(MAKERS[name](), workers, min_compress_numel=1)
+    total_aggregate = torch.zeros(5000)
+    total_mean = torch.zeros(5000)
+    for step in range(steps):
+        grads = _grads(workers, step)
+        total_aggregate += _step(exchange, grads)
+        total_mean += torch.stack(grads).mean(0)
+    relative = float((total_aggregate - total_mean).norm() / total_mean.norm())
+    assert relative < ONE_STEP_ERROR[name] / 2, relative
+    assert all(OWNER_RESIDUAL in p.memory.states["w"] for p in exchange.pipelines)
+
+
+def _wire_bytes(compressor, workers: int, numel: int = 2**16) -> float:
+    """Bytes one worker puts on a ring network in one step (the network model at zero latency)."""
+    exchange = SimulatedExchange(compressor, workers, min_compress_numel=1)
+    _step(exchange, _grads(workers, 0, numel))
+    network = Network(bandwidth_gbps=8e-9, latency_us=0)  # 1 byte per second
+    return network.step_time(exchange.step_stats.collectives, workers)
+
+
+def test_bytes_on_the_wire_stay_flat_in_the_number_of_workers_where_gathering_grows() -> None:
+    numel = 2**16
+    dense_allreduce = [2 * (n - 1) / n * 4 * numel for n in (2, 4, 8, 16)]
+    int8 = [_wire_bytes(Int8AllReduce(), n, numel) for n in (2, 4, 8, 16)]
+    qsgd = [_wire_bytes(QSGD(levels=16), n, numel) for n in (2, 4, 8, 16)]
+    for ring, quantised in zip(dense_allreduce, int8):  # the all-reduce's shape at a quarter of the bytes
+        assert ring / 4 <= quantised <= ring / 4 * 1.05, (ring, quantised)
+    assert qsgd[-1] > 7 * qsgd[0]  # every worker receives N - 1 payloads
+    assert qsgd[0] < int8[0] and qsgd[-1] > int8[-1]  # 6-bit QSGD stops paying between 2 and 16 workers
+
+
+def test_fp8_formats_and_bad_arguments() -> None:
+    assert FP8AllReduce(format="e5m2").code_max == 57344.0
+    with pytest.raises(ValueError, match="`format` must be 'e4m3' or 'e5m2'"):
+        FP8AllReduce(format="e3m4")
+    with pytest.raises(ValueError, match="`block_size` must be an integer >= 1"):
+        Int8AllReduce(block_size=0)
