@@ -7,15 +7,16 @@
 
 Both processes run inside a private network namespace whose loopback is shaped by ``tc tbf`` (see the
 README's benchmark section), talk gloo over 127.0.0.1 with one CPU thread each, and train the same model
-on synthetic batches: an MLP 784-2048-512-10 (2.66M parameters, batch 64 per process) or a ResNet-18 with
-torchvision's stem (11.2M parameters, CIFAR-sized 3x32x32 inputs, batch 32 per process). Each method runs in its own pair
-of processes with DDP's default buckets, one after the other in the same session, so a method that
-crashes is reported as such and the others still run: plain DDP, ``fp16_compress_hook``, PyTorch's
-``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and DGC at density 0.001, hard threshold,
-QSGD, and ``noop_hook``, the bound where communication costs nothing. Printed: the median step time over
-``--steps`` steps after warm-up, and the ratios to plain DDP, to the bound and to PyTorch's PowerSGD.
-With ``--rounds R`` every method runs R times in turn and its steps are pooled, so that a slow spell of
-the machine (a shared VM's steal time) does not fall on one method alone.
+on synthetic batches: an MLP 784-2048-512-10 (2.66M parameters, batch 64 per process) or a ResNet-18
+with torchvision's stem (11.2M parameters, CIFAR-sized 3x32x32 inputs, batch 32 per process). Each
+method runs in its own pair of processes with DDP's default buckets, one after the other in the same
+session, so a method that crashes is reported as such and the others still run: plain DDP,
+``fp16_compress_hook``, PyTorch's ``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and
+DGC at density 0.001, hard threshold, QSGD, the int8 quantised all-reduce, and ``noop_hook``, the bound
+where communication costs nothing. Printed: the median step time over ``--steps`` steps after warm-up,
+and the ratios to plain DDP, to the bound and to PyTorch's PowerSGD. With ``--rounds R`` every method
+runs R times in turn and its steps are pooled, so that a slow spell of the machine (a shared VM's
+steal time) does not fall on one method alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 NETNS = "gcnet"
-METHODS = ["ddp", "noop", "fp16", "torch_powersgd", "powersgd", "topk", "dgc", "threshold", "qsgd"]
+METHODS = ["ddp", "noop", "fp16", "torch_powersgd", "powersgd", "topk", "dgc", "threshold", "qsgd", "int8"]
 #: Variants: ``<method>_1b`` puts the whole model in one DDP bucket (PyTorch's PowerSGD runs there);
 #: ``<gradcomp method>_thread`` exchanges on gradcomp's exchange thread (the default on CPUs is the hook).
 VARIANTS = ["torch_powersgd_1b", "powersgd_1b", "powersgd_thread", "topk_thread", "dgc_thread"]
@@ -77,7 +78,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
-    from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, PowerSGD, TopK
+    from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, Int8AllReduce, PowerSGD, TopK
     from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 
     torch.set_num_threads(1)
@@ -99,7 +100,8 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif method != "ddp":
         compressor = {"topk": TopK(0.001), "dgc": DGC(0.001, momentum=0.9), "powersgd": PowerSGD(rank=2),
-                      "threshold": HardThreshold(1 / (2 * k ** 0.5)), "qsgd": QSGD(levels=16)}[method]
+                      "threshold": HardThreshold(1 / (2 * k ** 0.5)), "qsgd": QSGD(levels=16),
+                      "int8": Int8AllReduce()}[method]
         ddp.register_comm_hook(GradCompHookState(compressor, names, exchange_thread=threaded or None), gradcomp_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)

@@ -301,3 +301,41 @@ def check_nonfinite_propagates(rank: int, world_size: int, names: list[str]) -> 
         for key, value in before.items():
             assert torch.equal(state.memory.residuals[key], value), (name, key, rank)
         state.close()
+
+
+def train_digits_with_each(rank: int, world_size: int, names: list[str], out: str, epochs: int = 10) -> None:
+    """Plain DDP and the gradcomp hook with each compressor (default arguments) train the quick-start
+    digits MLP (SGD, lr 0.1, batch 32 per process, ``epochs`` epochs, the same initial weights and data
+    order); rank 0 writes every run's test accuracy to ``out``."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_gradcomp.compressors import COMPRESSORS
+    from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+    data = DigitsDataModule()
+    data.setup("fit")
+    accuracies = {}
+    for name in ["ddp", *names]:
+        torch.manual_seed(0)
+        model = DigitsClassifier()
+        ddp = DistributedDataParallel(model)
+        state = None
+        if name != "ddp":
+            state = GradCompHookState(COMPRESSORS[name](), {id(p): n for n, p in model.named_parameters()})
+            ddp.register_comm_hook(state, gradcomp_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = DistributedSampler(data.train_set, world_size, rank, shuffle=True, seed=0)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in DataLoader(data.train_set, batch_size=32, sampler=sampler):
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+        if state is not None:
+            state.close()
+        with torch.no_grad():
+            x, y = next(iter(DataLoader(data.test_set, batch_size=len(data.test_set))))
+            accuracies[name] = float((model(x).argmax(1) == y).float().mean())
+    if rank == 0:
+        torch.save(accuracies, out)

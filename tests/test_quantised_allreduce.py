@@ -71,6 +71,19 @@ def test_bytes_on_the_wire_stay_flat_in_the_number_of_workers_where_gathering_gr
     assert qsgd[0] < int8[0] and qsgd[-1] > int8[-1]  # 6-bit QSGD stops paying between 2 and 16 workers
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_blocks_of_zeros_and_of_denormal_values_stay_finite(name: str) -> None:
+    """A block whose peak divided by the code range underflows must not become 0/0 = NaN."""
+    grad = torch.zeros(1024)
+    grad[256:512] = 1e-43  # denormal
+    grad[512] = 1e-40
+    grad[768:] = torch.randn(256)
+    aggregate = _step(SimulatedExchange(MAKERS[name](), 2, min_compress_numel=1), [grad, grad.clone()])
+    assert torch.isfinite(aggregate).all()
+    assert torch.equal(aggregate[:256], torch.zeros(256))
+    assert float((aggregate[768:] - grad[768:]).norm() / grad[768:].norm()) < ONE_STEP_ERROR[name]
+
+
 def test_fp8_formats_and_bad_arguments() -> None:
     assert FP8AllReduce(format="e5m2").code_max == 57344.0
     with pytest.raises(ValueError, match="`format` must be 'e4m3' or 'e5m2'"):

@@ -73,9 +73,9 @@ class _QuantisedAllReduce(Compressor):
         raise NotImplementedError
 
     def _scales(self, blocks: Tensor) -> Tensor:
-        """Per block, ``peak / code_max`` (1 for an all-zero block, so that codes stay finite)."""
-        peaks = peak_magnitudes(blocks, 1)
-        return torch.where(peaks > 0, peaks / self.code_max, torch.ones_like(peaks))
+        """Per block, ``peak / code_max``, at least the smallest normal float: a block of zeros or of
+        values near the underflow threshold must not divide by zero (0/0 would be NaN)."""
+        return (peak_magnitudes(blocks, 1) / self.code_max).clamp_min_(torch.finfo(torch.float32).tiny)
 
     # ------------------------------------------------------------------ sizes
     def _chunk(self, numel: int, world_size: int) -> tuple[int, int]:

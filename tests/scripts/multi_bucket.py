@@ -1,6 +1,7 @@
-"""Two gloo processes train an MLP split into several DDP buckets with a multi-round (PowerSGD) and a
-count-exchanging (hard threshold) compressor, exchanged in the hook and on the exchange thread; run by tests/test_slow_link.py inside a rate-limited
-network namespace. Rank 0 writes every rank's final parameters and the hook's counters to ``--out``."""
+"""Two gloo processes train an MLP split into several DDP buckets with multi-round compressors (PowerSGD;
+the int8 quantised all-reduce, whose first round is an all-to-all) and a count-exchanging one (hard
+threshold), exchanged in the hook and on the exchange thread; run by tests/test_slow_link.py inside a
+rate-limited network namespace. Rank 0 writes every rank's final parameters and the hook's counters to ``--out``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_gradcomp.compressors import HardThreshold, PowerSGD
+from lightning_gradcomp.compressors import HardThreshold, Int8AllReduce, PowerSGD
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 
 
@@ -24,7 +25,8 @@ def _worker(rank: int, port: int, steps: int, out: str) -> None:
     results = {}
     for name, compressor, thread in (("powersgd", PowerSGD(rank=2), False), ("threshold", HardThreshold(0.004), False),
                                      ("powersgd_thread", PowerSGD(rank=2), True),
-                                     ("threshold_thread", HardThreshold(0.004), True)):
+                                     ("threshold_thread", HardThreshold(0.004), True),
+                                     ("int8", Int8AllReduce(), False), ("int8_thread", Int8AllReduce(), True)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                               nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))

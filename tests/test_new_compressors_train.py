@@ -1,0 +1,25 @@
+"""The sign, ternary and quantised all-reduce compressors train the quick-start digits model in real
+2-process DDP (gloo): within 2 points of plain DDP, except signSGD with majority vote (below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_gloo
+
+WITHIN_TWO_POINTS = ["efsignsgd", "terngrad", "int8", "int4", "fp8"]
+
+
+@pytest.mark.multiprocess
+def test_each_trains_digits_like_ddp(tmp_path) -> None:
+    from tests._gloo_workers import train_digits_with_each
+
+    out = tmp_path / "accuracies.pt"
+    run_gloo(train_digits_with_each, 2, [*WITHIN_TWO_POINTS, "signsgd"], str(out))
+    accuracies = torch.load(out)
+    for name in WITHIN_TWO_POINTS:
+        assert accuracies[name] >= accuracies["ddp"] - 0.02, (name, accuracies)
+    # With two workers a majority vote ties (and sends 0) wherever their signs differ, so signSGD learns
+    # more slowly at SGD's settings (measured: 74% against 91% after 10 epochs); it must still learn.
+    assert accuracies["signsgd"] >= 0.6, accuracies
