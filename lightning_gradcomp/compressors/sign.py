@@ -2,8 +2,8 @@
 
 Wire format of both: the signs bit-packed (bit 1 = negative; ``ceil(d/8)`` bytes, a zero is sent as
 ``+``: one bit cannot carry it) and one fp32 scale, so an fp32 gradient costs ``d/8 + 4`` bytes
-instead of ``4d``, a 32x ratio for large tensors. Both payloads are gathered (a vote and an average of
-scaled signs are not sums of the payloads).
+instead of ``4d``, a 32x ratio for large tensors. Both payloads are gathered: packed sign bits cannot be
+summed by an all-reduce.
 """
 
 from __future__ import annotations
