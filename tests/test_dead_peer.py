@@ -1,7 +1,7 @@
 """A peer that exits, is killed or hangs ends the other rank with an error that names the failed
 collective and the rank, within the process group's timeout: real gloo processes, one all-reduce
-compressor (``none``) and one all-gather compressor (``topk``, every tensor compressed, so the bucket's
-only collective is the all-gather)."""
+compressor (``none``), one all-gather compressor (``topk``, every tensor compressed, so the bucket's
+only collective is the all-gather) and the int8 quantised all-reduce (an all-to-all first)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ CASES = [(compressor, collective, fault, False) for compressor, collective in ((
                                                                                ("topk", "all_gather"))
          for fault in ("exit", "kill", "hang")]
 CASES += [("topk", "all_gather", "kill", True), ("none", "all_reduce", "hang", True)]  # on the exchange thread
+CASES += [("int8", "all_to_all", "kill", False)]  # a multi-round protocol fails in its first, intermediate round
 
 
 @pytest.mark.parametrize("compressor,collective,fault,thread", CASES)
