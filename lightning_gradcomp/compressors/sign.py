@@ -32,6 +32,11 @@ class _ScaledSigns(Compressor):
         """The payload of ``scale · sign(tensor)`` (``scale``: a 0-d or 1-element tensor, no host sync)."""
         return Payload((pack(torch.lt(tensor, 0), 1), scale.reshape(1).float()), tensor.numel(), tensor.numel())
 
+    @staticmethod
+    def _mean_magnitude(tensor: Tensor) -> Tensor:
+        """``||p||_1 / d`` as a 0-d fp32 tensor (no host sync)."""
+        return torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel()
+
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         """``out += alpha · scale · (1 − 2·bit)``: two passes, no dense ±1 tensor."""
         bits, scale = payload.parts
@@ -53,7 +58,7 @@ class EFSignSGD(_ScaledSigns):
     name = "efsignsgd"
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        return self._signs(tensor, torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel())
+        return self._signs(tensor, self._mean_magnitude(tensor))
 
 
 class SignSGD(_ScaledSigns):
@@ -90,10 +95,7 @@ class SignSGD(_ScaledSigns):
         return {"scale": self.scale}
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        if self.scale == "none":
-            scale = torch.ones((), device=tensor.device)
-        else:
-            scale = torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel()
+        scale = torch.ones((), device=tensor.device) if self.scale == "none" else self._mean_magnitude(tensor)
         return self._signs(tensor, scale)
 
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:

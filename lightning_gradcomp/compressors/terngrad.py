@@ -72,6 +72,7 @@ class TernGrad(QSGD):
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         if self.clip_sigma is not None and tensor.numel() > 1:
-            limit = self.clip_sigma * torch.std(tensor.float())
-            tensor = torch.clamp(tensor.float(), -limit, limit)
+            tensor = tensor.float()
+            limit = self.clip_sigma * torch.std(tensor)
+            tensor = torch.clamp(tensor, -limit, limit)
         return super().compress(tensor, ctx)
