@@ -1,8 +1,14 @@
 """lightning-gradcomp: gradient compression for PyTorch Lightning DDP in one line.
 
-``import lightning_gradcomp`` registers the ``"gradcomp"`` strategies with Lightning.
+``import lightning_gradcomp`` registers the ``"gradcomp"`` strategies with Lightning's Trainer and with
+Lightning Fabric. Three ways in:
+
+* Trainer: ``Trainer(strategy="gradcomp")`` or ``Trainer(strategy=GradCompStrategy(compressor=...))``;
+* Fabric: ``Fabric(strategy="gradcomp")`` or ``Fabric(strategy=GradCompFabricStrategy(compressor=...))``;
+* plain PyTorch: ``gradcomp = lightning_gradcomp.register(ddp_model, compressor=TopK(0.01))``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gradcomp.compressors import (
@@ -11,40 +17,60 @@ from lightning_gradcomp.compressors import (
     FP16,
     QSGD,
     Compressor,
+    EFSignSGD,
+    FP8AllReduce,
     HardThreshold,
+    Int4AllReduce,
+    Int8AllReduce,
     NoCompression,
     PowerSGD,
     RandomK,
+    SignSGD,
+    TernGrad,
     TopK,
     get_compressor,
 )
 from lightning_gradcomp.exchange.drivers import CollectiveError
+from lightning_gradcomp.fabric import GradCompFabricStrategy
+from lightning_gradcomp.handle import GradCompHandle, register
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.netmodel import Network
 from lightning_gradcomp.simulation import GradCompSimStrategy
+from lightning_gradcomp.stats import StepStats
 from lightning_gradcomp.strategy import GradCompStrategy
 
 __version__ = "0.1.0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
 GradCompSimStrategy.register_strategies(StrategyRegistry)
+GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "BF16",
     "CollectiveError",
     "DGC",
+    "EFSignSGD",
     "FP16",
+    "FP8AllReduce",
     "QSGD",
     "Compressor",
+    "GradCompFabricStrategy",
+    "GradCompHandle",
     "GradCompHookState",
     "GradCompSimStrategy",
     "GradCompStrategy",
     "HardThreshold",
+    "Int4AllReduce",
+    "Int8AllReduce",
+    "Network",
     "NoCompression",
     "PowerSGD",
     "RandomK",
+    "SignSGD",
     "StepStats",
+    "TernGrad",
     "TopK",
     "get_compressor",
     "gradcomp_hook",
+    "register",
 ]

@@ -7,12 +7,17 @@ real N-process run and an N-worker simulation write the same format.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.stats import StepStats
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.hook import GradCompHookState
 
 CHECKPOINT_KEY = "gradcomp"
 VERSION = 1
@@ -21,6 +26,32 @@ VERSION = 1
 def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint entry for the per-worker states ``ranks``."""
     return {"version": VERSION, "world_size": world_size, "compressor": type(compressor).__name__, "ranks": ranks}
+
+
+def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Optional[dict[str, Any]]:
+    """Collective over the hook's process group: every rank's state, packed on the group's first rank
+    (``None`` on the others). Every rank of the group must call it."""
+    group = hook_state.driver.group
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
+    destination = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather_object(hook_state.state_dict(), gathered, dst=destination, group=group)
+    return pack(world_size, compressor, gathered) if gathered is not None else None
+
+
+def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,
+                  load_worker_states: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Apply a checkpoint entry: every worker's own state when the run has the same number of workers
+    and the same compressor; otherwise keep only the step counter and the running totals, with a warning.
+    """
+    check_format(saved)
+    name = type(compressor).__name__
+    if saved["world_size"] != workers or saved["compressor"] != name:
+        rank_zero_warn(describe_dropped(saved, workers, name))
+        hook_state.totals = mean_totals(saved["ranks"])
+        hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
+        return
+    load_worker_states(saved["ranks"])
 
 
 def mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
@@ -40,12 +71,14 @@ class RestoresCompressionState:
 
     _pending_checkpoint: Optional[dict[str, Any]] = None
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint
 
+    @override
     def teardown(self) -> None:
         """An entry loaded for another stage (``validate``, ``test``) never reaches a later ``fit``."""
         self._pending_checkpoint = None
@@ -53,16 +86,8 @@ class RestoresCompressionState:
 
     def _restore_pending(self) -> None:
         saved, self._pending_checkpoint = self._pending_checkpoint, None
-        if saved is None or self.hook_state is None:
-            return
-        check_format(saved)
-        workers, name = self.compression_workers, type(self.compressor).__name__
-        if saved["world_size"] != workers or saved["compressor"] != name:
-            rank_zero_warn(describe_dropped(saved, workers, name))
-            self.hook_state.totals = mean_totals(saved["ranks"])
-            self.hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
-            return
-        self._load_worker_states(saved["ranks"])
+        if saved is not None and self.hook_state is not None:
+            restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states)
 
 
 def check_format(saved: dict[str, Any]) -> None:

@@ -4,6 +4,9 @@ Any LightningModule and LightningDataModule can be named by ``class_path`` in th
 be given as ``trainer.strategy: gradcomp`` or as a ``class_path`` with a compressor, for example::
 
     gradcomp fit --config recipes/quickstart_digits.yaml
+
+``gradcomp estimate ...`` predicts, before training, whether compression pays on a given network
+(:mod:`lightning_gradcomp.estimate`).
 """
 
 from __future__ import annotations
@@ -36,8 +39,14 @@ def main(args: ArgsType = None) -> None:
     A bad value (a ``ValueError``) ends the run with exit status 2 and the messages that name the
     parameter, without the traceback of the argument parser; ``GRADCOMP_TRACEBACK=1`` shows it.
     """
+    argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
     try:
-        build_cli(args)
+        if argv[:1] == ["estimate"]:
+            from lightning_gradcomp.estimate import run
+
+            run(argv[1:])
+        else:
+            build_cli(args)
     except ValueError as error:
         if os.environ.get("GRADCOMP_TRACEBACK"):
             raise

@@ -27,6 +27,7 @@ from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.options import exchange_options
 from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.summary import CollectiveTally
 
 
 class GradCompHookState:
@@ -52,6 +53,8 @@ class GradCompHookState:
             :class:`~lightning_gradcomp.callbacks.CompressionMonitor`); off, the hook does no extra work.
         record_layers: also keep per-parameter figures for the current step.
         totals: running totals of every step's figures; part of the checkpoint.
+        tally: every collective issued so far, counted by kind and size (for the summary's time
+            estimate); part of the checkpoint.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class GradCompHookState:
         self.hook_calls = 0
         self.record_layers = False
         self.totals = StepStats()
+        self.tally = CollectiveTally()
         self._stats = StepStats()
         self._lock = threading.Lock()
 
@@ -131,6 +135,7 @@ class GradCompHookState:
             stats.decompress_s = self.engine.decompress_clock.take()
         stats.steps = 1 if stats.buckets else 0
         self.totals.add(stats)
+        self.tally.add(stats)
         return stats
 
     def _account(self, report: BucketReport) -> None:
@@ -141,12 +146,14 @@ class GradCompHookState:
             self._stats.buckets += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "memory": self.memory.state_dict(), "totals": self.totals.state_dict()}
+        return {"step": self.step, "memory": self.memory.state_dict(), "totals": self.totals.state_dict(),
+                "collectives": self.tally.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"], device)
         self.totals = StepStats.from_state_dict(state.get("totals", {}))
+        self.tally = CollectiveTally.from_state_dict(state.get("collectives"))
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, bucket: dist.GradBucket) -> Future:

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+import inspect
+
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.compressors.base import Compressor, check_bool, check_int, get_compressor
 from lightning_gradcomp.pipeline import resolve_error_feedback
@@ -47,15 +50,16 @@ def exchange_options(compressor: Union[Compressor, str], error_feedback: Optiona
 
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
-                       min_compress_numel: int, seed: int, log_stats: bool) -> None:
+                       min_compress_numel: int, seed: int, log_stats: bool, print_summary: bool) -> None:
     """Validate the options both strategies share and set them as the strategy's attributes
-    (``compressor``, ``error_feedback``, ``min_compress_numel``, ``seed``, ``log_stats``)."""
+    (``compressor``, ``error_feedback``, ``min_compress_numel``, ``seed``, ``log_stats``, ``print_summary``)."""
     options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
     strategy.compressor = options.compressor
     strategy.error_feedback = options.error_feedback
     strategy.min_compress_numel = options.min_compress_numel
     strategy.seed = options.seed
     strategy.log_stats = check_log_stats(log_stats)
+    strategy.print_summary = check_bool(print_summary, "print_summary")
 
 
 def check_log_stats(log_stats: bool) -> bool:
@@ -90,8 +94,35 @@ def check_timeout(timeout: Any) -> Optional[timedelta]:
     raise ValueError(f"`timeout` must be a datetime.timedelta > 0 or a number of seconds > 0, got {timeout!r}")
 
 
-def check_ddp_flags(kwargs: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """DDP arguments whose default is a boolean must be booleans (``"yes"`` is not True)."""
+_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
+DDP_KWARGS = frozenset(_DDP_SIGNATURE) - {"self", "module"}
+_DDP_DEFAULTS = {name: parameter.default for name, parameter in _DDP_SIGNATURE.items()}
+#: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
+_STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any], strategy: str) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` arguments a strategy passes on: known names only, booleans where
+    DDP's default is one, a valid ``bucket_cap_mb``; those the strategy sets itself must be ``None``
+    (and are dropped)."""
+    unknown = sorted(set(kwargs) - DDP_KWARGS)
+    if unknown:
+        raise ValueError(f"{strategy}: unknown DistributedDataParallel argument(s) {unknown}; "
+                         f"allowed: {', '.join(sorted(DDP_KWARGS))}")
+    kwargs = dict(kwargs)
+    for name in _STRATEGY_OWNED_DDP_KWARGS:
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(f"`{name}` is set by the strategy from the devices it is given; allowed: None")
+    check_bucket_cap_mb(kwargs.get("bucket_cap_mb"))
     for name, value in kwargs.items():
-        if isinstance(defaults.get(name), bool):
+        if isinstance(_DDP_DEFAULTS.get(name), bool):  # "yes" is not True
             check_bool(value, name)
+    return kwargs
+
+
+def check_start_method(start_method: Any) -> str:
+    """How the strategy starts its processes: one of :data:`START_METHODS`."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}")
+    return start_method

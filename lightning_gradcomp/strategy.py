@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
@@ -16,28 +15,25 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
+from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, gather_entry
 from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.options import (
-    check_bucket_cap_mb,
-    check_ddp_flags,
+    check_ddp_kwargs,
     check_process_group_backend,
+    check_start_method,
     check_timeout,
     configure_strategy,
 )
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.summary import print_fit_summary
 
 if TYPE_CHECKING:
     from lightning_gradcomp.simulation import GradCompSimStrategy
 
-_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
-_DDP_KWARGS = frozenset(_DDP_SIGNATURE) - {"self", "module"}
-_DDP_DEFAULTS = {name: parameter.default for name, parameter in _DDP_SIGNATURE.items()}
-#: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
-_STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
@@ -59,6 +55,10 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         seed: base seed of the compressors' generators; identical on all ranks.
         log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
+        print_summary: when ``fit`` ends, rank 0 prints a short table of what compression did (bytes sent
+            vs dense, ratio, density, compression error, and with a
+            :class:`~lightning_gradcomp.callbacks.CompressionMonitor` the estimated communication time
+            saved on its network model); see :mod:`lightning_gradcomp.summary`.
         exchange_thread: exchange buckets on a thread of their own, in the order DDP hands them over, so
             compression and communication overlap the rest of backward (see
             :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook; ``None``
@@ -77,6 +77,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         log_stats: bool = True,
+        print_summary: bool = True,
         exchange_thread: Optional[bool] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -100,22 +101,9 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
                 f"GradCompStrategy installs its own communication hook; `{'`, `'.join(given)}` must be None "
                 f"(allowed: leave {', '.join(_REPLACED_DDP_ARGS)} unset; use DDPStrategy for custom hooks)"
             )
-        unknown = sorted(set(kwargs) - _DDP_KWARGS)
-        if unknown:
-            raise ValueError(
-                f"GradCompStrategy: unknown DistributedDataParallel argument(s) {unknown}; "
-                f"allowed: {', '.join(sorted(_DDP_KWARGS))}"
-            )
-        for name in _STRATEGY_OWNED_DDP_KWARGS:
-            if kwargs.pop(name, None) is not None:
-                raise ValueError(f"`{name}` is set by the strategy from the Trainer's devices; allowed: None")
-        check_bucket_cap_mb(kwargs.get("bucket_cap_mb"))
-        check_ddp_flags(kwargs, _DDP_DEFAULTS)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"`start_method` must be one of 'popen', 'spawn', 'fork', 'forkserver', got {start_method!r}"
-            )
-        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats)
+        kwargs = check_ddp_kwargs(kwargs, "GradCompStrategy")
+        check_start_method(start_method)
+        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
         self.exchange_thread = exchange_thread if exchange_thread is None else check_bool(exchange_thread,
                                                                                           "exchange_thread")
         process_group_backend = check_process_group_backend(process_group_backend)
@@ -149,6 +137,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
 
     # ------------------------------------------------------------------ registration
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants."""
         for name, start_method in (
@@ -166,11 +155,13 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             )
 
     # ------------------------------------------------------------------ hook installation
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         # DDPStrategy registers hooks only on CUDA; gloo on CPU supports them just as well.
         assert isinstance(self.model, DistributedDataParallel)
@@ -187,12 +178,14 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 
+    @override
     def teardown(self) -> None:
         if self.hook_state is not None:
             self.hook_state.close()
         super().teardown()
 
     # ------------------------------------------------------------------ per-step figures
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -222,15 +215,19 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        print_fit_summary(self)
+
     # ------------------------------------------------------------------ checkpointing
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Add every rank's residuals and compressor state to the checkpoint (gathered on rank 0)."""
         if self.hook_state is not None and dist.is_available() and dist.is_initialized():
-            local = self.hook_state.state_dict()
-            gathered: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(local, gathered, dst=0)
-            if self.is_global_zero:
-                checkpoint[CHECKPOINT_KEY] = pack(self.world_size, self.compressor, gathered)
+            entry = gather_entry(self.hook_state, self.compressor)
+            if entry is not None:
+                checkpoint[CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:

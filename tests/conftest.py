@@ -43,13 +43,14 @@ def run_gloo(fn: Callable[..., None], world_size: int = 2, *args: Any) -> None:
                        start_method="spawn")
 
 
-def run_lightning(tmp_path: Path, name: str, *args: str, timeout: float = 300) -> tuple[list[dict], str]:
-    """Run ``tests/scripts/train_digits.py`` (a real multi-process Lightning job); return every rank's
+def run_lightning(tmp_path: Path, name: str, *args: str, timeout: float = 300,
+                  script: str = "train_digits.py") -> tuple[list[dict], str]:
+    """Run ``tests/scripts/<script>`` (a real multi-process Lightning or Fabric job); return every rank's
     results and the combined output."""
     out = tmp_path / name
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "train_digits.py"), "--out", str(out), *args],
+        [sys.executable, str(SCRIPTS / script), "--out", str(out), *args],
         capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env,
     )
     output = proc.stdout + proc.stderr
@@ -59,17 +60,26 @@ def run_lightning(tmp_path: Path, name: str, *args: str, timeout: float = 300) -
     return results, output
 
 
-@pytest.fixture(scope="session")
-def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[list[dict], str]]:
-    """Memoised :func:`run_lightning`: runs shared by several tests happen once per session."""
+def _memoised_runs(root: Path, script: str) -> Callable[..., tuple[list[dict], str]]:
     cache: dict[tuple[str, ...], tuple[list[dict], str]] = {}
-    root = tmp_path_factory.mktemp("lightning")
 
     def run(name: str, *args: str) -> tuple[list[dict], str]:
         key = (name, *args)
         if key not in cache:
-            cache[key] = run_lightning(root, name, *args)
+            cache[key] = run_lightning(root, name, *args, script=script)
         return cache[key]
 
     run.root = root  # type: ignore[attr-defined]
     return run
+
+
+@pytest.fixture(scope="session")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[list[dict], str]]:
+    """Memoised :func:`run_lightning` of ``train_digits.py``: runs shared by several tests happen once."""
+    return _memoised_runs(tmp_path_factory.mktemp("lightning"), "train_digits.py")
+
+
+@pytest.fixture(scope="session")
+def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[list[dict], str]]:
+    """Memoised real 2-process Fabric runs of ``fabric_digits.py``."""
+    return _memoised_runs(tmp_path_factory.mktemp("fabric"), "fabric_digits.py")

@@ -28,9 +28,10 @@ def test_none_gives_parameters_identical_to_plain_ddp(lightning_runs) -> None:
 
 def test_topk_hook_runs_every_step_and_accuracy_is_within_two_points(lightning_runs) -> None:
     ddp, _ = lightning_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS, "--test")
-    topk, _ = lightning_runs("topk", "--compressor", "topk", "--density", "0.01", "--epochs", EPOCHS, "--test",
-                             "--csv", str(lightning_runs.root / "csv"))
+    topk, output = lightning_runs("topk", "--compressor", "topk", "--density", "0.01", "--epochs", EPOCHS, "--test",
+                                  "--csv", str(lightning_runs.root / "csv"))
     steps = 10 * STEPS_PER_EPOCH
+    assert output.count("gradcomp summary") == 1 and f"workers, steps           2, {steps}" in output
     for rank in topk:
         assert rank["global_step"] == rank["hook_step"] == steps
         assert rank["hook_calls"] >= steps

@@ -24,7 +24,7 @@ def test_dgc_refuses_an_optimizer_with_momentum(lightning_runs, tmp_path) -> Non
     from tests.conftest import run_lightning
 
     with pytest.raises(AssertionError, match="holds the momentum, but SGD applies momentum=0.9"):
-        run_lightning(tmp_path, "refused", "--compressor", "dgc", "--epochs", "1", "--momentum", "0.9")
+        run_lightning(tmp_path, "refused", "--compressor", "dgc", "--epochs", "1", "--momentum", "0.9", "--devices", "1")
 
 
 PAPER = [0.25, 0.0625, 0.015625, 0.00390625, 0.001]

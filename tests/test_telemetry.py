@@ -65,8 +65,12 @@ TAGS = ("total_error", "step_error", "relative_error", "average_density", "densi
 @pytest.mark.parametrize("compressor", ["topk", "qsgd"])
 def test_two_process_run_writes_every_tag_to_tensorboard(lightning_runs, compressor: str) -> None:
     board = lightning_runs.root / f"tb_{compressor}"
-    runs, _ = lightning_runs(f"monitored_{compressor}", "--compressor", compressor, "--epochs", "2", "--monitor",
-                             "--tensorboard", str(board))
+    runs, output = lightning_runs(f"monitored_{compressor}", "--compressor", compressor, "--epochs", "2", "--monitor",
+                                  "--tensorboard", str(board))
+    # the end-of-fit summary, on rank 0 only, priced on the monitor's network model
+    assert output.count("gradcomp summary") == 1
+    assert "est. communication" in output and "on 10 Gbit/s ring, 50 µs" in output
+    assert "Σ‖p − C(p)‖²; relative" in output
     (event_file,) = board.rglob("events.out.tfevents.*")
     events = EventAccumulator(str(event_file))
     events.Reload()

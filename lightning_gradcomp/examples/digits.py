@@ -10,6 +10,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 
+def digits_mlp(hidden: int = 128) -> nn.Sequential:
+    """The classifier's network on its own (64 -> hidden -> hidden -> 10), for Fabric and plain PyTorch."""
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
 class DigitsDataModule(L.LightningDataModule):
     """scikit-learn's ``load_digits``: pixel values scaled to [0, 1]; a fixed, stratified test split.
 
@@ -65,9 +70,7 @@ class DigitsClassifier(L.LightningModule):
     def __init__(self, hidden: int = 128, lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-        )
+        self.net = digits_mlp(hidden)
         self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=10, average="micro")
 

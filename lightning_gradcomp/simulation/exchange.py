@@ -13,6 +13,7 @@ from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
 from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.summary import CollectiveTally
 from lightning_gradcomp.telemetry import StepRecorder
 
 
@@ -44,6 +45,7 @@ class SimulatedExchange:
         self.step = 0
         self.record_layers = False
         self.totals = StepStats()
+        self.tally = CollectiveTally()
         self.step_stats = StepStats()
         self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}
@@ -115,16 +117,18 @@ class SimulatedExchange:
         self.step += 1
         self.step_stats = stats
         self.totals.add(stats)
+        self.tally.add(stats)
         return aggregate
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
         """One state per worker, in the format of the DDP hook's per-rank state."""
-        return [{"step": self.step, "memory": p.memory.state_dict(), "totals": self.totals.state_dict()}
-                for p in self.pipelines]
+        return [{"step": self.step, "memory": p.memory.state_dict(), "totals": self.totals.state_dict(),
+                 "collectives": self.tally.state_dict()} for p in self.pipelines]
 
     def load_state_dicts(self, states: list[dict[str, Any]], device: torch.device) -> None:
         for pipeline, state in zip(self.pipelines, states):
             pipeline.memory.load_state_dict(state["memory"], device)
         self.step = int(states[0]["step"])
         self.totals = StepStats.from_state_dict(states[0].get("totals", {}))
+        self.tally = CollectiveTally.from_state_dict(states[0].get("collectives"))

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
 from lightning_gradcomp.compressors.base import Compressor, check_int
@@ -19,6 +20,7 @@ from lightning_gradcomp.options import configure_strategy
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.simulation.exchange import SimulatedExchange
 from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.summary import print_fit_summary
 
 
 
@@ -44,7 +46,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
 
     Args:
         workers: number of simulated workers ``N``.
-        compressor, error_feedback, min_compress_numel, seed, log_stats: as for
+        compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary: as for
             :class:`~lightning_gradcomp.GradCompStrategy`.
         batch_dim: the dimension along which batches are split (1 for ``(seq, batch)`` layouts).
         uneven_batches: what happens to a batch whose size is not divisible by ``workers`` (typically
@@ -65,6 +67,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         log_stats: bool = True,
+        print_summary: bool = True,
         batch_dim: int = 0,
         uneven_batches: Literal["pad", "split", "error"] = "pad",
         device: Optional[Union[str, torch.device]] = None,
@@ -73,7 +76,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         precision_plugin: Optional[Any] = None,
     ) -> None:
         self.workers = check_int(workers, "workers", 1)
-        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats)
+        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
         self.batch_dim = check_int(batch_dim, "batch_dim", 0)
         if uneven_batches not in ("pad", "split", "error"):
             raise ValueError(f"`uneven_batches` must be 'pad', 'split' or 'error', got {uneven_batches!r}")
@@ -87,6 +90,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         self._worker_losses: list[Tensor] = []
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             "gradcomp_sim", cls, description="N workers with compressed gradients simulated on one device",
@@ -99,6 +103,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         return self.workers
 
     @property
+    @override
     def root_device(self) -> torch.device:
         if not self._device_given and self.accelerator is not None:
             kind = type(self.accelerator).__name__.lower()
@@ -109,6 +114,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         return self._root_device
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, trainer: Any) -> None:
         # Lightning reduces Trainer(devices=2) to one device for a single-device strategy without a word;
         # the devices asked for are only on the (private) accelerator connector. tests/test_bad_inputs.py
@@ -136,6 +142,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         self._restore_pending()
 
     # ------------------------------------------------------------------ one step, N workers
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
         outputs = []
@@ -153,6 +160,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
             return {**outputs[-1], "loss": mean}
         return mean
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Backward and compression worker by worker; the parameters end up with the averaged result."""
         assert self.hook_state is not None and self.lightning_module is not None
@@ -173,6 +181,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         self.step_stats = self.hook_state.step_stats
         return closure_loss
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.log_stats:
@@ -204,7 +213,13 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
             for worker in range(self.workers)
         ]
 
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        print_fit_summary(self)
+
     # ------------------------------------------------------------------ checkpoint
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.hook_state is not None:
             checkpoint[CHECKPOINT_KEY] = pack(self.workers, self.compressor, self.hook_state.state_dicts())

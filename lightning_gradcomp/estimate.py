@@ -1,0 +1,313 @@
+r"""``gradcomp estimate``: will compression pay on my cluster? A prediction before any GPU-hour is spent.
+
+    gradcomp estimate --model torchvision:resnet18 --batch-shape 32,3,32,32 --workers 8 \
+        --bandwidth 1gbit --latency 50us --topology ring
+
+It measures, on this machine, one forward + backward pass and SGD step of the model (median of ``--repeats``) and
+every compressor's own cost on the model's gradients: the exchange of one step through the same engine as
+the DDP hook, with ``min(N, 8)`` workers simulated in process, divided by the number simulated (each
+worker compresses its own gradients and decodes the aggregate). The bytes and collectives of that step,
+priced by :mod:`lightning_gradcomp.netmodel` for ``N`` workers, give the communication time. The
+prediction assumes no overlap of communication with backward:
+
+.. math::  T_{step} = T_{fwd+bwd+opt} + T_{compress+decode} + T_{comm}(N, B, α)
+
+and DDP is the same sum with a dense fp32 all-reduce (and fp16 with a 16-bit one, as PyTorch's fp16 hook). It
+prints, for each compressor, the predicted step time, the speed-up over DDP fp32 and fp16, bytes per step,
+and a recommendation; ``--plot`` writes the predicted speed-up against bandwidth.
+
+Where the prediction is weakest: communication that DDP overlaps with backward (its prediction is then
+pessimistic on fast links), and gathered compressors at large ``N`` beyond the 8 simulated workers (their
+collectives are re-priced for ``N``; each worker's decoding of ``N`` payloads is timed for 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import yaml
+from torch import nn
+
+from lightning_gradcomp.compressors import FP16, Compressor, NoCompression
+from lightning_gradcomp.netmodel import TOPOLOGIES, Network
+from lightning_gradcomp.simulation import SimulatedExchange
+
+#: The compressors tried by default: the presets in ``configs/compressors``, when run from a checkout.
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "compressors"
+#: Used where the presets are not on disk (an installed package).
+DEFAULT_COMPRESSORS = {
+    "topk_50x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.01}},
+    "topk_500x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.001}},
+    "dgc_500x": {"class_path": "lightning_gradcomp.compressors.DGC", "init_args": {"density": 0.001}},
+    "powersgd_r2": {"class_path": "lightning_gradcomp.compressors.PowerSGD", "init_args": {"rank": 2}},
+    "qsgd_8bit": {"class_path": "lightning_gradcomp.compressors.QSGD", "init_args": {"levels": 127}},
+    "efsignsgd": {"class_path": "lightning_gradcomp.compressors.EFSignSGD", "init_args": {}},
+    "int8_allreduce": {"class_path": "lightning_gradcomp.compressors.Int8AllReduce", "init_args": {}},
+}
+MAX_SIMULATED = 8
+_BANDWIDTH = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(gbit|mbit|kbit|gbps|mbps|kbps|gb|mb)?\s*$", re.I)
+_LATENCY = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(us|µs|ms|s|ns)?\s*$", re.I)
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"1gbit"``, ``"100mbit"``, ``"25gbps"``, ``"10"`` (Gbit/s) -> Gbit/s."""
+    match = _BANDWIDTH.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"`--bandwidth` must be a rate > 0 such as 100mbit, 1gbit, 25gbit; got {text!r}")
+    unit = (match.group(2) or "gbit").lower()
+    scale = {"g": 1.0, "m": 1e-3, "k": 1e-6}[unit[0]]
+    return float(match.group(1)) * scale
+
+
+def parse_latency(text: str) -> float:
+    """``"50us"``, ``"0.2ms"``, ``"50"`` (µs) -> µs."""
+    match = _LATENCY.match(str(text))
+    if not match:
+        raise ValueError(f"`--latency` must be a time >= 0 such as 50us, 0.5ms; got {text!r}")
+    unit = (match.group(2) or "us").lower()
+    return float(match.group(1)) * {"ns": 1e-3, "us": 1.0, "µs": 1.0, "ms": 1e3, "s": 1e6}[unit]
+
+
+def build_model(spec: str, model_args: Optional[dict[str, Any]] = None) -> nn.Module:
+    """A model from ``torchvision:<name>``, ``mlp:<in>,<hidden>...,<out>`` or a class path
+    (``package.module.Class`` or ``package.module:Class``, a LightningModule or any ``nn.Module``)."""
+    model_args = model_args or {}
+    if spec.startswith("torchvision:"):
+        import torchvision
+
+        return torchvision.models.get_model(spec.split(":", 1)[1], **model_args)
+    if spec.startswith("mlp:"):
+        widths = [int(width) for width in spec[4:].split(",")]
+        if len(widths) < 2:
+            raise ValueError(f"`--model mlp:...` needs at least an input and an output width, got {spec!r}")
+        layers: list[nn.Module] = []
+        for i, (width_in, width_out) in enumerate(zip(widths, widths[1:])):
+            layers += [nn.Linear(width_in, width_out)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+        return nn.Sequential(*layers)
+    module_name, _, class_name = spec.replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"`--model`: cannot import {spec!r} ({error}); allowed: torchvision:<name>, "
+                         "mlp:<widths>, or a class path such as my_package.models.MyModule") from None
+    model = cls(**model_args)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"`--model` {spec!r} built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def load_compressors(names: Optional[list[str]] = None) -> dict[str, Compressor]:
+    """The presets to compare (``configs/compressors/*.yaml`` where present), optionally only ``names``."""
+    specs: dict[str, dict[str, Any]] = {}
+    if PRESETS.is_dir():
+        specs = {path.stem: yaml.safe_load(path.read_text()) for path in sorted(PRESETS.glob("*.yaml"))}
+    specs = specs or dict(DEFAULT_COMPRESSORS)
+    specs.pop("none", None)
+    specs.pop("fp16", None)
+    if names:
+        unknown = sorted(set(names) - set(specs))
+        if unknown:
+            raise ValueError(f"`--compressors`: unknown preset(s) {unknown}; allowed: {', '.join(sorted(specs))}")
+        specs = {name: specs[name] for name in names}
+    built = {}
+    for name, spec in specs.items():
+        module, _, cls = spec["class_path"].rpartition(".")
+        built[name] = getattr(importlib.import_module(module), cls)(**(spec.get("init_args") or {}))
+    return built
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def measure_compute(model: nn.Module, batch_shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device,
+                    repeats: int, vocab: int = 10000) -> float:
+    """Median seconds of one forward + backward pass and an SGD step on a random batch (loss: mean of the
+    squared outputs): the step without communication, the "noop" bound."""
+    model = model.to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    if input_dtype.is_floating_point:
+        batch = torch.randn(batch_shape, dtype=input_dtype, device=device)
+    else:
+        batch = torch.randint(0, vocab, batch_shape, device=device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        output = model(batch)
+        output = output[0] if isinstance(output, (tuple, list)) else output
+        output = output.logits if hasattr(output, "logits") else output
+        output.float().pow(2).mean().backward()
+        optimizer.step()
+
+    return _median_seconds(step, repeats)
+
+
+@dataclass
+class Exchange:
+    """One step's exchange of a compressor on the model's gradients."""
+
+    name: str
+    compressor: Compressor
+    seconds: float  # one worker's compression + decoding
+    bytes_sent: float  # per worker
+    collectives: list[tuple[str, int]]
+    simulated_workers: int
+
+
+def measure_exchange(name: str, compressor: Compressor, gradients: list[tuple[str, torch.Tensor]], workers: int,
+                     repeats: int) -> Exchange:
+    """Median time of one step of ``min(workers, 8)`` simulated workers' exchange, per worker."""
+    simulated = min(workers, MAX_SIMULATED)
+    exchange = SimulatedExchange(compressor, simulated)
+
+    def step() -> None:
+        for worker in range(simulated):
+            exchange.add_worker(worker, [(param, grad.clone()) for param, grad in gradients])
+        exchange.finish_step()
+
+    copies = _median_seconds(lambda: [grad.clone() for _ in range(simulated) for _, grad in gradients], repeats)
+    seconds = max(0.0, _median_seconds(step, repeats) - copies) / simulated
+    stats = exchange.step_stats
+    return Exchange(name, compressor, seconds, stats.bytes_sent, list(stats.collectives), simulated)
+
+
+@dataclass
+class Prediction:
+    name: str
+    step_s: float
+    compress_s: float
+    comm_s: float
+    bytes_sent: float
+
+
+def predict(exchanges: list[Exchange], compute_s: float, network: Network, workers: int) -> list[Prediction]:
+    """Step time of each exchange on ``network`` with ``workers`` workers (no overlap assumed)."""
+    predictions = []
+    for exchange in exchanges:
+        comm = network.step_time(exchange.collectives, workers)
+        predictions.append(Prediction(exchange.name, compute_s + exchange.seconds + comm, exchange.seconds, comm,
+                                      exchange.bytes_sent))
+    return predictions
+
+
+def recommend(predictions: list[Prediction], dense: Prediction, half: Prediction) -> str:
+    best = min(predictions, key=lambda p: p.step_s)
+    baseline = min(dense, half, key=lambda p: p.step_s)
+    if best.name in (dense.name, half.name) or best.step_s > 0.9 * baseline.step_s:
+        return (f"stay with {baseline.name}: no compressor is predicted to be more than 10% faster "
+                f"(best: {best.name}, {baseline.step_s / best.step_s:.2f}x)")
+    return (f"{best.name}: predicted {dense.step_s / best.step_s:.2f}x faster than DDP fp32 and "
+            f"{half.step_s / best.step_s:.2f}x faster than fp16 (check accuracy with a short run first)")
+
+
+def _table(predictions: list[Prediction], dense: Prediction, half: Prediction, compute_s: float) -> str:
+    header = "| compressor | step (ms) | vs DDP fp32 | vs fp16 | compress+decode (ms) | comm (ms) | MB / step |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    lines.append(f"| (compute only) | {compute_s * 1e3:.1f} | | | | | |")
+    for p in sorted(predictions, key=lambda p: p.step_s):
+        lines.append(f"| {p.name} | {p.step_s * 1e3:.1f} | {dense.step_s / p.step_s:.2f}x | "
+                     f"{half.step_s / p.step_s:.2f}x | {p.compress_s * 1e3:.1f} | {p.comm_s * 1e3:.1f} | "
+                     f"{p.bytes_sent / 1e6:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(path: str, exchanges: list[Exchange], compute_s: float, network: Network, workers: int) -> None:
+    """Predicted speed-up over DDP fp32 against bandwidth (0.1 to 100 Gbit/s), one line per compressor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("gradcomp estimate --plot needs matplotlib: pip install matplotlib") from None
+    rates = [0.1 * 10 ** (i / 8) for i in range(25)]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for exchange in exchanges[1:]:
+        speedups = []
+        for rate in rates:
+            link = Network(rate, network.latency_us, network.topology, network.server_bandwidth_gbps)
+            dense, this = predict([exchanges[0], exchange], compute_s, link, workers)
+            speedups.append(dense.step_s / this.step_s)
+        axes.plot(rates, speedups, label=exchange.name)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xscale("log")
+    axes.set_xlabel("link bandwidth (Gbit/s)")
+    axes.set_ylabel("predicted speed-up over DDP fp32")
+    axes.set_title(f"{workers} workers, {network.topology}, {network.latency_us:g} µs")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradcomp estimate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="torchvision:<name>, mlp:<in>,<hidden>...,<out>, or a class path (nn.Module/LightningModule)")
+    parser.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments of the model")
+    parser.add_argument("--batch-shape", required=True, help="per-worker input shape, e.g. 32,3,224,224")
+    parser.add_argument("--input-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int64"])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--bandwidth", default="10gbit", help="link rate: 100mbit, 1gbit, 25gbit... (default 10gbit)")
+    parser.add_argument("--latency", default="50us", help="per-message latency: 50us, 0.5ms... (default 50us)")
+    parser.add_argument("--topology", default="ring", choices=list(TOPOLOGIES))
+    parser.add_argument("--compressors", nargs="+", default=None, help="preset names (default: all)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--plot", default=None, help="write predicted speed-up against bandwidth to this PNG")
+    return parser
+
+
+def run(argv: Optional[list[str]] = None) -> list[Prediction]:
+    """Run the estimator (``argv`` replaces the command line after ``estimate``); returns the predictions."""
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"`--workers` must be an integer >= 1, got {args.workers}")
+    try:
+        batch_shape = tuple(int(size) for size in args.batch_shape.split(","))
+    except ValueError:
+        raise ValueError(f"`--batch-shape` must be comma-separated sizes such as 32,3,224,224, got "
+                         f"{args.batch_shape!r}") from None
+    network = Network(parse_bandwidth(args.bandwidth), parse_latency(args.latency), args.topology)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    compressors = load_compressors(args.compressors)
+    model = build_model(args.model, args.model_args)
+    compute_s = measure_compute(model, batch_shape, getattr(torch, args.input_dtype), device, args.repeats)
+    gradients = [(name, p.grad.detach().clone()) for name, p in model.named_parameters() if p.grad is not None]
+    numel = sum(grad.numel() for _, grad in gradients)
+    candidates = {"DDP fp32": NoCompression(), "fp16": FP16(), **compressors}
+    exchanges = [measure_exchange(name, compressor, gradients, args.workers, args.repeats)
+                 for name, compressor in candidates.items()]
+    predictions = predict(exchanges, compute_s, network, args.workers)
+    dense, half = predictions[0], predictions[1]
+    print(f"# {args.model}: {numel / 1e6:.2f}M parameters, batch {args.batch_shape} per worker, "
+          f"{args.workers} workers, {network.bandwidth_gbps:g} Gbit/s {network.topology}, {network.latency_us:g} µs; "
+          f"measured on {device} ({torch.get_num_threads()} threads): forward+backward+SGD step {compute_s * 1e3:.1f} ms")
+    print(_table(predictions, dense, half, compute_s))
+    print(f"recommendation: {recommend(predictions, dense, half)}")
+    if args.workers > MAX_SIMULATED:
+        print(f"note: {MAX_SIMULATED} workers simulated; collectives re-priced for {args.workers}")
+    if args.plot:
+        plot(args.plot, exchanges, compute_s, network, args.workers)
+        print(f"wrote {args.plot}")
+    return predictions

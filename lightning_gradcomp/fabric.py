@@ -1,0 +1,191 @@
+"""``GradCompFabricStrategy``: compressed gradients for Lightning Fabric, registered as ``"gradcomp"``.
+
+::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="gradcomp")              # Top-k at 1%
+    fabric = Fabric(devices=8, strategy=GradCompFabricStrategy(compressor=PowerSGD(rank=4)))
+    model, optimizer = fabric.setup(model, optimizer)
+    ...
+    fabric.strategy.step_stats                    # this step's bytes, ratio, density
+    fabric.save(path, {"model": model, "optimizer": optimizer})   # residuals saved under "gradcomp"
+    fabric.load(path, {"model": model, "optimizer": optimizer})   # and restored
+
+Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subclass wraps the model in
+``DistributedDataParallel`` as Fabric does and registers the exchange through
+:func:`~lightning_gradcomp.handle.register`, on CPU (gloo) and GPU (nccl) alike.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.checkpointing import CHECKPOINT_KEY
+from lightning_gradcomp.compressors.base import Compressor, check_bool
+from lightning_gradcomp.handle import GradCompHandle, register
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.options import (
+    check_ddp_kwargs,
+    check_process_group_backend,
+    check_start_method,
+    check_timeout,
+    exchange_options,
+)
+from lightning_gradcomp.pipeline import check_fit_setup, resolve_error_feedback
+from lightning_gradcomp.stats import StepStats
+
+
+class GradCompFabricStrategy(DDPStrategy):
+    """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
+
+    Args:
+        compressor, error_feedback, min_compress_numel, seed, exchange_thread, timeout: as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
+        **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
+
+    One model per strategy is compressed (the first ``fabric.setup``/``setup_module``); its compression
+    state goes into ``fabric.save`` under ``"gradcomp"`` (every rank's residuals, gathered on rank 0) and
+    comes back with ``fabric.load(path, state)``, whether ``load`` is called before or after ``setup``.
+    """
+
+    strategy_name = "gradcomp"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "topk",
+        error_feedback: Optional[bool] = None,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        exchange_thread: Optional[bool] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.exchange_thread = None if exchange_thread is None else check_bool(exchange_thread, "exchange_thread")
+        kwargs = check_ddp_kwargs(kwargs, "GradCompFabricStrategy")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=check_process_group_backend(process_group_backend),
+            timeout=check_timeout(timeout),
+            start_method=check_start_method(start_method),
+            **kwargs,
+        )
+        self.gradcomp: Optional[GradCompHandle] = None
+        self._pending_entry: Optional[dict[str, Any]] = None
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.options.compressor
+
+    @property
+    def step_stats(self) -> StepStats:
+        """The figures of the latest completed backward pass (empty before the model is set up)."""
+        return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
+
+    def summary(self, network: Optional[Network] = None) -> str:
+        """The end-of-training table (:mod:`lightning_gradcomp.summary`), averaged over ranks; every rank
+        must call it (print it on rank 0: ``fabric.print(fabric.strategy.summary())``)."""
+        if self.gradcomp is None:
+            raise RuntimeError("GradCompFabricStrategy.summary(): no model has been set up yet (fabric.setup)")
+        return self.gradcomp.summary(network)
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants with Fabric."""
+        for name, start_method in (("gradcomp", "popen"), ("gradcomp_spawn", "spawn"),
+                                   ("gradcomp_fork", "fork"), ("gradcomp_notebook", "fork")):
+            strategy_registry.register(
+                name, cls, override=True, start_method=start_method,
+                description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
+            )
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self.gradcomp is not None:
+            raise ValueError("GradCompFabricStrategy compresses the gradients of one model; a second model was "
+                             "set up (allowed: one fabric.setup(model, ...) per Fabric)")
+        ddp = super().setup_module(module)
+        options = self.options
+        self.gradcomp = register(ddp, options.compressor, error_feedback=options.error_feedback,
+                                 min_compress_numel=options.min_compress_numel, seed=options.seed,
+                                 exchange_thread=self.exchange_thread)
+        if self._pending_entry is not None:
+            entry, self._pending_entry = self._pending_entry, None
+            self.gradcomp.load_state_dict(entry)
+        return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        error_feedback = resolve_error_feedback(self.compressor, self.options.error_feedback)
+        check_fit_setup(self.compressor, error_feedback, [optimizer], self.precision)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def teardown(self) -> None:
+        if self.gradcomp is not None:
+            self.gradcomp.close()
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Union[Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Fabric's checkpoint, plus every rank's compression state under ``"gradcomp"``."""
+        if self.gradcomp is not None:
+            if CHECKPOINT_KEY in state:
+                raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
+                                 "allowed: any other name for your own entries")
+            entry = self.gradcomp.state_dict()  # a collective: every rank takes part
+            if entry is not None:
+                state = {**state, CHECKPOINT_KEY: entry}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Union[Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Fabric's load; with a ``state`` dict, the compression state is restored too (now, or when the
+        model is set up) and left out of the returned remainder."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state:
+            entry = remainder.pop(CHECKPOINT_KEY, None)
+            if entry is not None and self.gradcomp is not None:
+                self.gradcomp.load_state_dict(entry)
+            elif entry is not None:
+                self._pending_entry = entry
+        return remainder

@@ -1,0 +1,147 @@
+"""Plain PyTorch: compressed gradients on a bare ``DistributedDataParallel`` model, in one call.
+
+::
+
+    ddp = DistributedDataParallel(model)
+    gradcomp = lightning_gradcomp.register(ddp, compressor=TopK(0.01))
+    ...
+    loss.backward()          # buckets are exchanged compressed
+    gradcomp.step_stats      # this step's bytes, ratio, density
+    torch.save({"model": ddp.module.state_dict(), "gradcomp": gradcomp.state_dict()}, path)   # every rank calls
+    gradcomp.load_state_dict(torch.load(path)["gradcomp"])                                 # on resume
+
+The hook, the exchange engine and the checkpoint format are those of the Lightning strategies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp.checkpointing import gather_entry, restore_entry
+from lightning_gradcomp.compressors.base import Compressor, check_bool
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.summary import summarise
+
+
+class GradCompHandle:
+    """What :func:`register` returns: the compressed exchange of one DDP model on this rank.
+
+    Attributes:
+        hook_state: the :class:`~lightning_gradcomp.hook.GradCompHookState` (configuration, memory,
+            accounting).
+        compressor: the compressor the exchange was configured with.
+    """
+
+    def __init__(self, hook_state: GradCompHookState, compressor: Compressor, device: torch.device) -> None:
+        self.hook_state = hook_state
+        self.compressor = compressor
+        self.device = device
+        self._taken_step = hook_state.step
+        self._last = StepStats()
+
+    # ------------------------------------------------------------------ the hook's entry point
+    def exchange(self, bucket: dist.GradBucket) -> Future:
+        """Called by DDP through :func:`~lightning_gradcomp.hook.gradcomp_hook` for every bucket; the
+        first bucket of a step closes the figures of the step before."""
+        self._close_finished_step()
+        return self.hook_state.exchange(bucket)
+
+    def _close_finished_step(self) -> None:
+        # The hook state counts a step when its last bucket is issued; once backward has returned, every
+        # bucket of that step has been exchanged and accounted.
+        if self.hook_state.step > self._taken_step:
+            self._last = self.hook_state.take_step_stats()
+            self._taken_step = self.hook_state.step
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def step_stats(self) -> StepStats:
+        """The figures of the latest completed backward pass (bytes handed to ``torch.distributed``,
+        dense bytes, ratio, density); read it after ``backward()``."""
+        self._close_finished_step()
+        return self._last
+
+    @property
+    def totals(self) -> StepStats:
+        """Running totals of every completed step (part of :meth:`state_dict`)."""
+        self._close_finished_step()
+        return self.hook_state.totals
+
+    def summary(self, network: Optional[Network] = None) -> str:
+        """The end-of-training table (averaged over ranks; every rank must call it). With ``network``,
+        the estimated communication time of the run next to dense DDP's."""
+        self._close_finished_step()
+        group = self.hook_state.driver.group
+
+        def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+            values = values.to(self.device)
+            dist.all_reduce(values, group=group)
+            return values.cpu() / dist.get_world_size(group)
+
+        return summarise(self.hook_state, self.compressor, dist.get_world_size(group), network, mean_over_ranks)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Every rank's residuals, compressor state, step and totals, gathered on rank 0 in the format of
+        the Lightning checkpoints' ``checkpoint["gradcomp"]``; ``None`` on the other ranks. A
+        collective: every rank must call it (then save on rank 0)."""
+        self._close_finished_step()
+        return gather_entry(self.hook_state, self.compressor)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's part of a :meth:`state_dict` (every rank loads the same entry). A run with
+        another number of workers or another compressor keeps only the step counter and the totals,
+        with a warning."""
+        workers = dist.get_world_size(self.hook_state.driver.group)
+        rank = dist.get_rank(self.hook_state.driver.group)
+        restore_entry(state, self.hook_state, workers, self.compressor,
+                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+        self._taken_step = self.hook_state.step
+
+    def close(self) -> None:
+        """Stop the exchange thread, if one runs."""
+        self.hook_state.close()
+
+
+def register(
+    ddp_model: DistributedDataParallel,
+    compressor: Union[Compressor, str] = "topk",
+    *,
+    error_feedback: Optional[bool] = None,
+    min_compress_numel: int = 1024,
+    seed: int = 0,
+    exchange_thread: Optional[bool] = None,
+    telemetry: bool = False,
+) -> GradCompHandle:
+    """Install the compressed exchange on a ``DistributedDataParallel`` model (any backend, CPU or GPU).
+
+    Args:
+        ddp_model: the DDP-wrapped model; its process group is the exchange's.
+        compressor, error_feedback, min_compress_numel, seed, exchange_thread: as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
+        telemetry: also measure the compression error ``Σ‖p − C(p)‖²`` and the time spent compressing
+            (``step_stats.error_sq``, ``compress_s``...); off, the hook does no extra work.
+
+    Returns:
+        a :class:`GradCompHandle` with ``step_stats``, ``totals``, ``summary()``, ``state_dict()`` and
+        ``load_state_dict()``.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError(f"`ddp_model` must be a torch.nn.parallel.DistributedDataParallel, got "
+                         f"{type(ddp_model).__name__}; wrap the model first: DistributedDataParallel(model)")
+    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
+                                   min_compress_numel=min_compress_numel, seed=seed,
+                                   group=ddp_model.process_group, exchange_thread=exchange_thread)
+    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    device = next(ddp_model.module.parameters()).device
+    handle = GradCompHandle(hook_state, hook_state.compressor, device)
+    ddp_model.register_comm_hook(handle, gradcomp_hook)
+    return handle

@@ -1,0 +1,126 @@
+"""The end-of-training summary: what compression did over a whole run, in one short table.
+
+Every way in (the Trainer strategies at the end of ``fit``, :class:`~lightning_gradcomp.fabric.GradCompFabricStrategy`
+and :func:`~lightning_gradcomp.handle.register` on request) prints the same table from the running
+totals (:class:`~lightning_gradcomp.stats.StepStats`, averaged over ranks) and, when a network model is
+given, the estimated communication time of the collectives actually issued next to that of DDP's dense
+all-reduce of the same gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.stats import StepStats
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.compressors.base import Compressor
+
+
+class CollectiveTally:
+    """How many times each collective ``(kind, bytes)`` was issued; training steps repeat the same few,
+    so this stays small, and any network model can price it afterwards."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, int]] = Counter()
+
+    def add(self, stats: StepStats) -> None:
+        """Count one step's collectives (``stats.collectives``)."""
+        self.counts.update((kind, int(nbytes)) for kind, nbytes in stats.collectives)
+
+    def state_dict(self) -> list[list[Any]]:
+        return [[kind, nbytes, count] for (kind, nbytes), count in sorted(self.counts.items())]
+
+    @classmethod
+    def from_state_dict(cls, state: Optional[list[list[Any]]]) -> "CollectiveTally":
+        tally = cls()
+        for kind, nbytes, count in state or []:
+            tally.counts[(str(kind), int(nbytes))] = int(count)
+        return tally
+
+    def time(self, network: Network, workers: int) -> float:
+        """Seconds the counted collectives take on ``network`` when issued one after another."""
+        return sum(count * network.time(kind, nbytes, workers) for (kind, nbytes), count in self.counts.items())
+
+
+def dense_time(totals: StepStats, network: Network, workers: int) -> float:
+    """Seconds DDP's fp32 all-reduce of the same gradients would take: one all-reduce per bucket, the
+    buckets of equal size (``bytes_dense / buckets``)."""
+    if not totals.buckets:
+        return 0.0
+    return totals.buckets * network.all_reduce_time(totals.bytes_dense / totals.buckets, workers)
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Optional[float] = None,
+                   dense_s: Optional[float] = None, network: Optional[Network] = None) -> str:
+    """The summary table.
+
+    Args:
+        compressor: the compressor's description (its ``repr``).
+        workers: workers that exchanged gradients.
+        totals: running totals, averaged over workers (bytes are per worker).
+        comm_s / dense_s / network: the estimated communication time of the run and of dense DDP on
+            ``network`` (rows left out when ``network`` is ``None``).
+    """
+    steps = int(totals.steps)
+    rows = [
+        ("compressor", compressor),
+        ("workers, steps", f"{workers}, {steps}"),
+        ("bytes sent / worker", f"{_bytes(totals.bytes_sent)} (dense DDP: {_bytes(totals.bytes_dense)})"),
+        ("measured ratio", f"{totals.compression_ratio:.1f}x" if totals.bytes_sent else "n/a"),
+        ("average density", f"{totals.density:.4g}" if totals.elements_total else "n/a"),
+    ]
+    if totals.grad_sq > 0:
+        rows.append(("total compression error", f"{totals.error_sq:.4g} (Σ‖p − C(p)‖²; relative "
+                                                f"{totals.relative_error:.3g})"))
+    else:
+        rows.append(("total compression error", "not recorded (telemetry off; see CompressionMonitor)"))
+    if network is not None and comm_s is not None and dense_s is not None:
+        link = f"{network.bandwidth_gbps:g} Gbit/s {network.topology}, {network.latency_us:g} µs"
+        saved = dense_s - comm_s
+        rows.append(("est. communication", f"{comm_s:.3g} s vs {dense_s:.3g} s dense on {link}"))
+        rows.append(("est. time saved", f"{saved:.3g} s" + (f" ({dense_s / comm_s:.1f}x less)"
+                                                           if comm_s > 0 and math.isfinite(dense_s) else "")))
+    width = max(len(name) for name, _ in rows)
+    lines = ["gradcomp summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def summarise(hook_state: Any, compressor: "Compressor", workers: int, network: Optional[Network] = None,
+              mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda values: values) -> str:
+    """The summary of ``hook_state``'s running totals (``totals``, ``tally``), averaged over ranks by
+    ``mean_over_ranks`` (a collective where ranks are processes: every rank must call it)."""
+    values = torch.tensor(hook_state.totals.as_list(), dtype=torch.float64)
+    totals = StepStats.from_list(mean_over_ranks(values).tolist())
+    comm_s = hook_state.tally.time(network, workers) if network is not None else None
+    dense_s = dense_time(totals, network, workers) if network is not None else None
+    return format_summary(repr(compressor), workers, totals, comm_s, dense_s, network)
+
+
+def print_fit_summary(strategy: Any) -> None:
+    """At the end of ``fit`` (a Trainer strategy's ``on_train_end``; every rank calls it): rank 0 prints
+    :func:`summarise`, unless ``strategy.print_summary`` is off. The network model is that of the
+    Trainer's :class:`~lightning_gradcomp.callbacks.CompressionMonitor`, if it has one."""
+    if not strategy.print_summary or strategy.hook_state is None:
+        return
+    from lightning_gradcomp.callbacks.monitor import CompressionMonitor
+
+    callbacks = strategy.lightning_module.trainer.callbacks
+    network = next((callback.network for callback in callbacks if isinstance(callback, CompressionMonitor)), None)
+    device = strategy.root_device
+    text = summarise(strategy.hook_state, strategy.compressor, strategy.compression_workers, network,
+                     lambda values: strategy.reduce(values.to(device), reduce_op="mean").cpu())
+    if strategy.is_global_zero:
+        print(text, flush=True)

@@ -1,0 +1,60 @@
+"""``gradcomp estimate``: predictions from measured compute, measured compression and the network model."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gradcomp.cli import main
+from lightning_gradcomp.estimate import build_model, parse_bandwidth, parse_latency, run
+
+TINY = ["--model", "mlp:64,256,256,10", "--batch-shape", "16,64", "--repeats", "1", "--threads", "1"]
+
+
+def test_estimate_runs_on_a_tiny_model_and_prices_bytes_on_the_network(capsys: pytest.CaptureFixture) -> None:
+    predictions = {p.name: p for p in run(TINY + ["--workers", "4", "--bandwidth", "100mbit",
+                                                  "--compressors", "topk_50x", "int8_allreduce"])}
+    output = capsys.readouterr().out
+    assert set(predictions) == {"DDP fp32", "fp16", "topk_50x", "int8_allreduce"}
+    dense, half, topk = predictions["DDP fp32"], predictions["fp16"], predictions["topk_50x"]
+    numel = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    # the dense exchange is one all-reduce of the gradients and the engine's 4-byte finiteness flag
+    assert dense.bytes_sent == 4 * numel + 4 and half.bytes_sent == pytest.approx(2 * numel, rel=0.02)
+    # a ring all-reduce of S bytes among 4 workers at 100 Mbit/s: 2(N-1)/N S/B plus 2(N-1) latencies
+    assert dense.comm_s == pytest.approx(1.5 * (4 * numel + 4) * 8 / 100e6 + 6 * 50e-6, rel=1e-6)
+    assert topk.bytes_sent < dense.bytes_sent / 20
+    assert topk.step_s < dense.step_s, "at 100 Mbit/s a 50x smaller exchange is predicted faster"
+    for name in predictions:
+        assert f"| {name} |" in output
+    assert "recommendation:" in output
+
+
+def test_estimate_is_a_subcommand_of_the_gradcomp_cli(capsys: pytest.CaptureFixture) -> None:
+    main(["estimate"] + TINY + ["--workers", "2", "--bandwidth", "100gbit", "--latency", "5us",
+                                "--compressors", "powersgd_r2"])
+    output = capsys.readouterr().out
+    assert "| powersgd_r2 |" in output and "100 Gbit/s ring, 5 µs" in output
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bandwidth", "fast"], "`--bandwidth` must be a rate"),
+    (["--latency", "soon"], "`--latency` must be a time"),
+    (["--compressors", "gzip"], "`--compressors`: unknown preset"),
+    (["--batch-shape", "16x64"], "`--batch-shape` must be comma-separated"),
+])
+def test_bad_estimate_arguments_name_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    args = dict(zip(TINY[::2], TINY[1::2]))
+    args.update(dict(zip(argv[::2], argv[1::2])))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate"] + [item for pair in args.items() for item in pair])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_units_and_model_specs() -> None:
+    assert parse_bandwidth("100mbit") == pytest.approx(0.1) and parse_bandwidth("25") == 25
+    assert parse_latency("0.5ms") == 500 and parse_latency("50us") == 50
+    model = build_model("mlp:8,4,2")
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear"]
+    assert type(build_model("torch.nn.Linear", {"in_features": 3, "out_features": 2})).__name__ == "Linear"
+    with pytest.raises(ValueError, match="`--model`: cannot import"):
+        build_model("no_such_package.Model")
