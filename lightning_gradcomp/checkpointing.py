@@ -23,20 +23,22 @@ CHECKPOINT_KEY = "gradcomp"
 VERSION = 1
 
 
-def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint entry for the per-worker states ``ranks``."""
-    return {"version": VERSION, "world_size": world_size, "compressor": type(compressor).__name__, "ranks": ranks}
+def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], layout: str = "flat") -> dict[str, Any]:
+    """The checkpoint entry for the per-worker states ``ranks`` (``layout``: ``"flat"`` or the hierarchical
+    exchange's ``"nodes=M,local=L"``; entries written before it existed are flat)."""
+    return {"version": VERSION, "world_size": world_size, "compressor": type(compressor).__name__, "ranks": ranks,
+            "layout": layout}
 
 
 def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Optional[dict[str, Any]]:
     """Collective over the hook's process group: every rank's state, packed on the group's first rank
     (``None`` on the others). Every rank of the group must call it."""
-    group = hook_state.driver.group
+    group = hook_state.checkpoint_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     destination = dist.get_global_rank(group, 0) if group is not None else 0
     dist.gather_object(hook_state.state_dict(), gathered, dst=destination, group=group)
-    return pack(world_size, compressor, gathered) if gathered is not None else None
+    return pack(world_size, compressor, gathered, hook_state.layout) if gathered is not None else None
 
 
 def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,
@@ -46,8 +48,9 @@ def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compress
     """
     check_format(saved)
     name = type(compressor).__name__
-    if saved["world_size"] != workers or saved["compressor"] != name:
-        rank_zero_warn(describe_dropped(saved, workers, name))
+    layout = getattr(hook_state, "layout", "flat")
+    if saved["world_size"] != workers or saved["compressor"] != name or saved.get("layout", "flat") != layout:
+        rank_zero_warn(describe_dropped(saved, workers, name, layout))
         hook_state.totals = mean_totals(saved["ranks"])
         hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
         return
@@ -105,15 +108,18 @@ def check_format(saved: dict[str, Any]) -> None:
                          f"{', '.join(missing) or 'ranks'})")
 
 
-def describe_dropped(saved: dict[str, Any], workers: int, name: str) -> str:
+def describe_dropped(saved: dict[str, Any], workers: int, name: str, layout: str = "flat") -> str:
     """What a resume with another number of workers or another compressor drops, and what it keeps."""
     state_keys = sorted({key for rank in saved["ranks"] for states in rank.get("memory", {}).get("states", {}).values()
                          for key in states})
     steps = max(int(rank.get("step", 0)) for rank in saved["ranks"])
     dropped = "error-feedback residuals" + (f" and compressor state ({', '.join(state_keys)})" if state_keys else "")
+    saved_layout = saved.get("layout", "flat")
+    layouts = f" (exchange layout {saved_layout} vs {layout})" if saved_layout != layout else ""
     return (
         f"gradcomp: the checkpoint holds error-feedback memory of {saved['world_size']} workers of "
-        f"{saved['compressor']}, this run has {workers} of {name}; the residuals are dropped and start from zero. "
+        f"{saved['compressor']}, this run has {workers} of {name}{layouts}; the residuals are dropped and start "
+        "from zero. "
         f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat) and "
         "the running totals (averaged over the saved workers)."
     )

@@ -87,6 +87,8 @@ class GradCompHookState:
         self.record_layers = False
         self.totals = StepStats()
         self.tally = CollectiveTally()
+        #: how the workers exchange (checkpoints record it; residuals are kept only under the same layout)
+        self.layout = "flat"
         self._stats = StepStats()
         self._lock = threading.Lock()
 
@@ -117,6 +119,11 @@ class GradCompHookState:
     def telemetry(self, on: bool) -> None:
         self.pipeline.telemetry = bool(on)
 
+    @property
+    def checkpoint_group(self) -> Optional[dist.ProcessGroup]:
+        """The processes whose states one checkpoint entry gathers (the exchange's group)."""
+        return self.driver.group
+
     def use_compressor(self, compressor: Optional[Compressor]) -> None:
         """Switch compressor between steps (``None``: send uncompressed); memory and state are kept."""
         self.pipeline.compressor = compressor if compressor is not None else NoCompression()
@@ -127,8 +134,9 @@ class GradCompHookState:
         with self._lock:
             stats, self._stats = self._stats, StepStats()
         warn_nonfinite(self.pipeline.take_nonfinite(), self.driver.rank, self.step)
-        stats.collectives = self.driver.take_log()
-        stats.bytes_sent = sum(nbytes for _, nbytes in stats.collectives)
+        stats.collectives = self._take_collective_log()
+        # collectives inside a node (hierarchical mode, logged as node:*) do not cross the network: not counted
+        stats.bytes_sent = sum(nbytes for kind, nbytes in stats.collectives if not kind.startswith("node:"))
         if self.telemetry:
             self.pipeline.recorder.resolve(stats, per_layer=self.record_layers)
             stats.compress_s = self.engine.compress_clock.take()
@@ -137,6 +145,9 @@ class GradCompHookState:
         self.totals.add(stats)
         self.tally.add(stats)
         return stats
+
+    def _take_collective_log(self) -> list[tuple[str, int]]:
+        return self.driver.take_log()
 
     def _account(self, report: BucketReport) -> None:
         with self._lock:

@@ -18,6 +18,16 @@ Notation: ``N`` workers, ``S`` bytes (the input of the collective on one worker)
   defaults to ``N`` times the worker link, so the server is never the bottleneck and the time is
   000's estimate, a bi-directional transfer of the payload over one link: :math:`2α + (S + S_{pull})/B`.
 
+Two levels (nodes of ``local_size`` processes): ``intra_bandwidth_gbps`` / ``intra_latency_us`` describe
+the links inside a node (NVLink, PCIe, shared memory), ``bandwidth_gbps`` / ``latency_us`` a node's link
+to the network. A collective's kind says which processes take part: ``"all_reduce"`` etc. span every
+worker (a flat exchange; a ring enters and leaves each node once, so it gets the node's whole link and
+the formulas above hold); ``"node:all_reduce"`` runs among the ``local_size`` processes of one node on
+the intra-node links; ``"cross:all_gather"`` among the ``workers / local_size`` processes of the same
+local rank, one per node — the ``local_size`` such groups of a node run at the same time and share the
+node's link, so each is priced at ``bandwidth_gbps / local_size``. The hierarchical exchange (:class:`~lightning_gradcomp.hierarchy.HierarchicalHookState`) logs its
+collectives with these scopes.
+
 Headers, protocol overheads and congestion are ignored: this is an estimate for comparing compressors.
 """
 
@@ -39,22 +49,34 @@ class Network:
         topology: ``"ring"`` (all-reduce / all-gather, as NCCL and gloo do) or ``"parameter_server"``.
         server_bandwidth_gbps: parameter server only: the server's total bandwidth; ``None`` means
             ``N`` times ``bandwidth_gbps`` (no server bottleneck).
+        local_size: processes per node, for collectives scoped ``node:`` and ``cross:``.
+        intra_bandwidth_gbps / intra_latency_us: the links inside a node (``None``: the same as between
+            nodes). Collectives inside a node run as a ring.
     """
 
     bandwidth_gbps: float = 10.0
     latency_us: float = 50.0
     topology: Literal["ring", "parameter_server"] = "ring"
     server_bandwidth_gbps: Optional[float] = None
+    local_size: int = 1
+    intra_bandwidth_gbps: Optional[float] = None
+    intra_latency_us: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_gbps", "server_bandwidth_gbps"):
+        for name in ("bandwidth_gbps", "server_bandwidth_gbps", "intra_bandwidth_gbps"):
             value = getattr(self, name)
-            if value is None and name == "server_bandwidth_gbps":
+            if value is None and name != "bandwidth_gbps":
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"`{name}` must be a number > 0, got {value!r}")
         if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
             raise ValueError(f"`latency_us` must be a number >= 0, got {self.latency_us!r}")
+        intra_latency = self.intra_latency_us
+        if intra_latency is not None and (isinstance(intra_latency, bool) or not isinstance(intra_latency, (int, float))
+                                          or intra_latency < 0):
+            raise ValueError(f"`intra_latency_us` must be None or a number >= 0, got {intra_latency!r}")
+        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 1:
+            raise ValueError(f"`local_size` must be an integer >= 1, got {self.local_size!r}")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"`topology` must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
 
@@ -96,8 +118,23 @@ class Network:
         link = min(self.bytes_per_second, server / workers)
         return 2 * self.latency_s + push / link + pull / link
 
+    def intra_node(self) -> "Network":
+        """The network inside a node: a ring of the intra-node links."""
+        return Network(self.intra_bandwidth_gbps or self.bandwidth_gbps,
+                       self.latency_us if self.intra_latency_us is None else self.intra_latency_us, "ring")
+
     def time(self, kind: str, nbytes: float, workers: int) -> float:
-        """Seconds for one collective of ``kind`` (``"all_reduce"``, ``"all_gather"`` or ``"all_to_all"``)."""
+        """Seconds for one collective of ``kind`` (``"all_reduce"``, ``"all_gather"`` or ``"all_to_all"``,
+        optionally scoped ``"node:..."`` or ``"cross:..."``) among ``workers`` workers in all."""
+        scope, _, base = kind.rpartition(":")
+        if scope == "node":
+            return self.intra_node().time(base, nbytes, min(self.local_size, workers))
+        if scope == "cross":  # the node's local_size cross-node groups share its link
+            shared = Network(self.bandwidth_gbps / self.local_size, self.latency_us, self.topology,
+                             self.server_bandwidth_gbps)
+            return shared.time(base, nbytes, max(1, workers // self.local_size))
+        if scope:
+            raise ValueError(f"`kind` scope must be 'node' or 'cross', got {kind!r}")
         if kind == "all_reduce":
             return self.all_reduce_time(nbytes, workers)
         if kind == "all_gather":

@@ -13,12 +13,14 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, gather_entry
 from lightning_gradcomp.compressors.base import Compressor, check_bool
+from lightning_gradcomp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.options import (
     check_ddp_kwargs,
@@ -63,6 +65,11 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             compression and communication overlap the rest of backward (see
             :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook; ``None``
             (default): the thread on GPUs, the hook on CPUs.
+        hierarchy: ``"node"``: on several nodes, a dense all-reduce inside each node, the compressed
+            exchange only between nodes (each local rank compresses its share of every bucket, with the
+            same local rank of the other nodes), and a dense all-reduce inside the node to put the shares
+            together; see :mod:`lightning_gradcomp.hierarchy`. ``"none"`` (default): every rank exchanges
+            compressed gradients with every other.
         timeout: the process group's timeout (a ``timedelta``, or seconds): a peer that stops answering
             fails the pending collective on every other rank after this long.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
@@ -79,6 +86,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         log_stats: bool = True,
         print_summary: bool = True,
         exchange_thread: Optional[bool] = None,
+        hierarchy: Literal["none", "node"] = "none",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -106,6 +114,9 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
         self.exchange_thread = exchange_thread if exchange_thread is None else check_bool(exchange_thread,
                                                                                           "exchange_thread")
+        self.hierarchy = check_hierarchy(hierarchy)
+        if self.hierarchy == "node" and exchange_thread:
+            raise ValueError("hierarchy='node' exchanges in the DDP hook; allowed: exchange_thread=None or False")
         process_group_backend = check_process_group_backend(process_group_backend)
         timeout = check_timeout(timeout)
         super().__init__(
@@ -167,14 +178,17 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         assert self.lightning_module is not None
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        self.hook_state = GradCompHookState(
-            self.compressor,
-            names,
-            error_feedback=self.error_feedback,
-            min_compress_numel=self.min_compress_numel,
-            seed=self.seed,
-            exchange_thread=self.exchange_thread,
-        )
+        options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
+                   "seed": self.seed, "exchange_thread": self.exchange_thread}
+        if self.hierarchy == "node":
+            if self.num_nodes == 1:
+                rank_zero_warn("GradCompStrategy(hierarchy='node') on one node: gradients are all-reduced dense "
+                               "inside the node and nothing is compressed; use hierarchy='none' on one node")
+            intra, cross = node_groups(self.num_nodes, self.num_processes)
+            self.hook_state = HierarchicalHookState(self.compressor, names, intra_group=intra, cross_group=cross,
+                                                    **options)
+        else:
+            self.hook_state = GradCompHookState(self.compressor, names, **options)
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -206,7 +208,8 @@ def check_telemetry_totals(rank: int, world_size: int) -> None:
 def conformance_settings() -> dict[str, dict]:
     """Constructor arguments of the conformance suite per registered name (others: the defaults)."""
     return {"topk": {"density": 0.05}, "randomk": {"density": 0.05}, "dgc": {"density": 0.05},
-            "threshold": {"threshold": 0.02}, "powersgd": {"rank": 2}}
+            "threshold": {"threshold": 0.02}, "powersgd": {"rank": 2},
+            "signsgd": {"momentum": 0.9}}  # Signum: the variant with compressor state
 
 
 def _small_model() -> nn.Module:
@@ -303,10 +306,12 @@ def check_nonfinite_propagates(rank: int, world_size: int, names: list[str]) -> 
         state.close()
 
 
-def train_digits_with_each(rank: int, world_size: int, names: list[str], out: str, epochs: int = 10) -> None:
-    """Plain DDP and the gradcomp hook with each compressor (default arguments) train the quick-start
-    digits MLP (SGD, lr 0.1, batch 32 per process, ``epochs`` epochs, the same initial weights and data
-    order); rank 0 writes every run's test accuracy to ``out``."""
+def train_digits_with_each(rank: int, world_size: int, names: list[str], out: str, epochs: int = 10,
+                           settings: Optional[dict[str, tuple[str, dict, Optional[bool]]]] = None) -> None:
+    """Plain DDP and the gradcomp hook with each compressor train the quick-start digits MLP (SGD, lr 0.1,
+    batch 32 per process, ``epochs`` epochs, the same initial weights and data order); rank 0 writes
+    every run's test accuracy to ``out``. A name is a registered compressor with default arguments, or a
+    label in ``settings`` mapping to ``(registered name, constructor arguments, error_feedback)``."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -322,7 +327,9 @@ def train_digits_with_each(rank: int, world_size: int, names: list[str], out: st
         ddp = DistributedDataParallel(model)
         state = None
         if name != "ddp":
-            state = GradCompHookState(COMPRESSORS[name](), {id(p): n for n, p in model.named_parameters()})
+            registered, kwargs, error_feedback = (settings or {}).get(name, (name, {}, None))
+            state = GradCompHookState(COMPRESSORS[registered](**kwargs), {id(p): n for n, p in model.named_parameters()},
+                                      error_feedback=error_feedback)
             ddp.register_comm_hook(state, gradcomp_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         sampler = DistributedSampler(data.train_set, world_size, rank, shuffle=True, seed=0)
@@ -339,3 +346,73 @@ def train_digits_with_each(rank: int, world_size: int, names: list[str], out: st
             accuracies[name] = float((model(x).argmax(1) == y).float().mean())
     if rank == 0:
         torch.save(accuracies, out)
+
+
+def check_hierarchical_equals_simulated(rank: int, world_size: int, names: list[str]) -> None:
+    """2 nodes x 2 processes: per compressor, 3 steps of a real DDP model with the hierarchical hook and
+    the same steps with the simulated hierarchical exchange (each node's average fed to 2 simulated
+    nodes): parameters within 1e-5; only cross-node bytes are counted as sent, the intra-node
+    all-reduces are logged. ``"none"`` also matches plain DDP (no hook)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gradcomp.compressors import COMPRESSORS
+    from lightning_gradcomp.hierarchy import HierarchicalHookState, local_average, node_groups
+    from lightning_gradcomp.simulation import SimulatedExchange
+
+    nodes, local_size = 2, world_size // 2
+    intra, cross = node_groups(nodes, local_size)
+    settings = conformance_settings()
+    loss_fn = nn.CrossEntropyLoss()
+
+    def train_real(state) -> nn.Module:
+        model = _small_model()
+        ddp = DistributedDataParallel(model)
+        if state is not None:
+            state.param_names = {id(p): n for n, p in model.named_parameters()}
+            ddp.register_comm_hook(state, gradcomp_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = _batch(step, rank)
+            with CollectiveSpy() as spy:
+                loss_fn(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if state is not None:
+                stats = state.take_step_stats()
+                kinds = {kind.split(":")[0] for kind, _ in stats.collectives}
+                assert kinds <= {"node", "cross"}, stats.collectives
+                intra_bytes = sum(n for kind, n in stats.collectives if kind.startswith("node:"))
+                assert stats.bytes_sent + intra_bytes == spy.bytes, (stats.collectives, spy.calls)
+                assert intra_bytes == 2 * stats.bytes_dense  # two dense all-reduces inside the node
+        return model
+
+    plain = train_real(None)
+    for name in names:
+        make = lambda: COMPRESSORS[name](**settings.get(name, {}))  # noqa: E731
+        state = HierarchicalHookState(make(), {}, intra_group=intra, cross_group=cross, min_compress_numel=256)
+        assert state.layout == "nodes=2,local=2"
+        model = train_real(state)
+        state.close()
+
+        twin = _small_model()
+        exchange = SimulatedExchange(make(), nodes, min_compress_numel=256, local_size=local_size)
+        twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
+        for step in range(3):
+            for node in range(nodes):
+                node_grads = []
+                for local in range(local_size):
+                    for p in twin.parameters():
+                        p.grad = None
+                    x, y = _batch(step, node * local_size + local)
+                    loss_fn(twin(x), y).backward()
+                    node_grads.append([(n, p.grad) for n, p in twin.named_parameters()])
+                exchange.add_worker(node, local_average(node_grads))
+            aggregate = exchange.finish_step()
+            for n, p in twin.named_parameters():
+                p.grad = aggregate[n].view_as(p)
+            twin_optimizer.step()
+        for (n, real), (_, simulated) in zip(model.named_parameters(), twin.named_parameters()):
+            torch.testing.assert_close(simulated, real, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
+        if name == "none":
+            for (n, real), (_, flat) in zip(model.named_parameters(), plain.named_parameters()):
+                torch.testing.assert_close(real, flat, rtol=1e-6, atol=1e-6, msg=lambda m: f"none vs DDP {n}: {m}")

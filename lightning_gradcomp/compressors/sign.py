@@ -12,10 +12,14 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, keep_if_finite
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.exchange.protocol import Gather, Outcome, Protocol, Round
+
+#: Signum's momentum in the compressor's per-parameter state.
+MOMENTUM = "momentum"
 
 
 class _ScaledSigns(Compressor):
@@ -74,6 +78,12 @@ class SignSGD(_ScaledSigns):
     :math:`\|g_w\|_1/d`, the size of an average coordinate, so SGD's usual learning rates apply. Either
     way the direction is the majority vote.
 
+    With ``momentum=β > 0`` it is **Signum** (the same paper's experiments): each worker keeps
+    :math:`m_t = β m_{t-1} + (1-β) g_t` and votes with :math:`\operatorname{sign}(m_t)`; the
+    averaging in the momentum makes the workers' signs agree more often, which matters most with few
+    voters (with two, every disagreement is a tie). The momentum is compressor state (per worker,
+    checkpointed), so the optimizer must not add its own.
+
     Error feedback is off by default, as in the paper. A coordinate whose gradient is zero on every
     worker is sent as ``+`` (one bit has no zero) and moves by :math:`\gamma`: prefer
     :class:`EFSignSGD` or TernGrad for models with many exactly-zero gradients (unused embeddings).
@@ -81,22 +91,55 @@ class SignSGD(_ScaledSigns):
 
     Args:
         scale: ``"mean"`` or ``"none"``.
+        momentum: Signum's β in [0, 1); 0 (default) is plain signSGD.
     """
 
     name = "signsgd"
     default_error_feedback = False
 
-    def __init__(self, scale: Literal["mean", "none"] = "mean") -> None:
+    def __init__(self, scale: Literal["mean", "none"] = "mean", momentum: float = 0.0) -> None:
         if scale not in ("mean", "none"):
             raise ValueError(f"`scale` must be 'mean' or 'none', got {scale!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
         self.scale = scale
+        self.momentum = float(momentum)
 
     def hparams(self) -> dict[str, Any]:
-        return {"scale": self.scale}
+        return {"scale": self.scale, "momentum": self.momentum}
+
+    def check_optimizer(self, optimizer: Optimizer) -> None:
+        """Signum holds the momentum: refuse an optimizer that applies its own on top."""
+        if not self.momentum:
+            return
+        for index, group in enumerate(optimizer.param_groups):
+            if group.get("momentum", 0) or (group.get("betas") or (0,))[0] > 0:
+                raise ValueError(
+                    f"SignSGD(momentum={self.momentum}) is Signum and holds the momentum, but "
+                    f"{type(optimizer).__name__} applies momentum too (param group {index}); use plain SGD "
+                    "(momentum 0), or SignSGD(momentum=0)"
+                )
+
+    def _voted(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """What a worker votes with: the gradient, or Signum's ``m = β m + (1 − β) g`` (stored unless the
+        gradient was not finite)."""
+        if not self.momentum:
+            return tensor
+        grad = tensor.float()
+        previous = ctx.state.get(MOMENTUM)
+        if previous is None or previous.shape != grad.shape:
+            momentum = grad * (1.0 - self.momentum)
+        else:
+            momentum = torch.add(previous * self.momentum, grad, alpha=1.0 - self.momentum)
+        kept = keep_if_finite(momentum, previous, ctx.finite)
+        if kept is not None:
+            ctx.state[MOMENTUM] = kept
+        return momentum
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        scale = torch.ones((), device=tensor.device) if self.scale == "none" else self._mean_magnitude(tensor)
-        return self._signs(tensor, scale)
+        voted = self._voted(tensor, ctx)
+        scale = torch.ones((), device=tensor.device) if self.scale == "none" else self._mean_magnitude(voted)
+        return self._signs(voted, scale)
 
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
         """One gather of every worker's signs and scale; the aggregate is the scaled majority vote."""

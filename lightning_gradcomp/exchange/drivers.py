@@ -34,15 +34,18 @@ class CollectiveError(RuntimeError):
 
 
 class _ByteCounter:
-    """``bytes_sent`` and the ``(kind, bytes)`` log of every collective handed over."""
+    """``bytes_sent`` and the ``(kind, bytes)`` log of every collective handed over; with a ``scope``
+    (``"node"``, ``"cross"``: which processes take part, see :mod:`lightning_gradcomp.netmodel`) the kinds
+    are logged as ``"<scope>:<kind>"``."""
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str = "") -> None:
         self.bytes_sent = 0
+        self.scope = scope
         self._log: list[tuple[str, int]] = []
 
     def count(self, collective: Collective) -> None:
         self.bytes_sent += collective.nbytes
-        self._log.append((collective.kind, collective.nbytes))
+        self._log.append((f"{self.scope}:{collective.kind}" if self.scope else collective.kind, collective.nbytes))
 
     def take_log(self) -> list[tuple[str, int]]:
         """``(kind, input bytes)`` of every collective handed over since the last call."""
@@ -53,8 +56,8 @@ class _ByteCounter:
 class TorchDriver(_ByteCounter):
     """Runs a bucket's exchange through ``torch.distributed`` on one process group."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        super().__init__()
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, scope: str = "") -> None:
+        super().__init__(scope)
         self.group = group
 
     @property
@@ -102,6 +105,11 @@ class TorchDriver(_ByteCounter):
                 return stop.value
             issued = [self._issue(collective) for collective in turn.collectives]
             results = [self._wait(*item) for item in issued]
+
+    def all_reduce(self, tensor: Tensor) -> None:
+        """A dense, blocking all-reduce (sum, in place) on the group, counted like any other collective."""
+        collective = Collective("all_reduce", tensor)
+        self._wait(*self._issue(collective))
 
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective]:
         self.count(collective)

@@ -26,6 +26,11 @@ class SimulatedExchange:
     combines their collectives, and worker 0 writes the aggregate, which equals what every rank of a
     real run computes.
 
+    With ``local_size = L > 1`` the workers are the nodes of the hierarchical exchange
+    (:mod:`lightning_gradcomp.hierarchy`): each is fed its node's average gradient, its collectives are
+    logged as ``cross:<kind>`` next to the two dense ``node:all_reduce`` of the bucket inside the node,
+    and ``bytes_sent`` is per process (the node's payloads are shared out among its ``L`` processes).
+
     Bytes are counted by the driver from the tensors each worker hands over, as on a real rank. Step
     figures are averages over workers, like the real strategy's logged figures. Memory: per worker its
     residuals and compressor state, and, until the step's exchange ends, what its protocol holds (for
@@ -33,10 +38,12 @@ class SimulatedExchange:
     """
 
     def __init__(self, compressor: Compressor, workers: int, error_feedback: Optional[bool] = None,
-                 min_compress_numel: int = 1024, seed: int = 0) -> None:
+                 min_compress_numel: int = 1024, seed: int = 0, local_size: int = 1) -> None:
         feedback = resolve_error_feedback(compressor, error_feedback)
         self.compressor = compressor
         self.workers = workers
+        self.local_size = local_size
+        self.layout = "flat" if local_size == 1 else f"nodes={workers},local={local_size},simulated"
         self.error_feedback = feedback
         self.recorder = StepRecorder()
         self.pipelines = [WorkerPipeline(compressor, feedback, self.recorder) for _ in range(workers)]
@@ -98,12 +105,15 @@ class SimulatedExchange:
         workers = self.workers
         stats = StepStats(
             steps=1, buckets=1,
-            bytes_sent=sum(nbytes for log in logs for _, nbytes in log) / workers,
+            bytes_sent=sum(nbytes for log in logs for _, nbytes in log) / workers / self.local_size,
             bytes_dense=reports[0].bytes_dense,
             elements_sent=sum(report.elements_sent for report in reports) / workers,
             elements_total=reports[0].elements_total,
             collectives=logs[0],
         )
+        if self.local_size > 1:
+            stats.collectives = ([("node:all_reduce", reports[0].bytes_dense)] * 2
+                                 + [(f"cross:{kind}", nbytes) for kind, nbytes in logs[0]])
         if self._telemetry:
             self.recorder.resolve(stats, per_layer=self.record_layers)
             stats.error_sq /= workers

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
 from lightning_gradcomp.compressors.base import Compressor, check_int
+from lightning_gradcomp.hierarchy import check_hierarchy, local_average
 from lightning_gradcomp.options import configure_strategy
 from lightning_gradcomp.pipeline import check_fit_setup
 from lightning_gradcomp.simulation.exchange import SimulatedExchange
@@ -54,6 +55,9 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
             multiple, as DDP's ``DistributedSampler`` pads the data set so that every rank gets as many
             samples; ``"split"`` lets ``torch.tensor_split`` make the parts differ by one sample (each
             worker still weighs ``1/N``); ``"error"`` refuses it.
+        hierarchy, nodes: ``hierarchy="node"`` simulates the hierarchical exchange of
+            :class:`~lightning_gradcomp.GradCompStrategy` on ``nodes`` nodes of ``workers / nodes``
+            workers: each node's workers average their gradients, and the nodes exchange compressed.
         device: the device; default: the accelerator's first device.
     """
 
@@ -70,6 +74,8 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         print_summary: bool = True,
         batch_dim: int = 0,
         uneven_batches: Literal["pad", "split", "error"] = "pad",
+        hierarchy: Literal["none", "node"] = "none",
+        nodes: int = 1,
         device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
@@ -78,6 +84,10 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         self.workers = check_int(workers, "workers", 1)
         configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
         self.batch_dim = check_int(batch_dim, "batch_dim", 0)
+        self.hierarchy = check_hierarchy(hierarchy)
+        self.nodes = check_int(nodes, "nodes", 1)
+        if self.workers % self.nodes:
+            raise ValueError(f"`nodes` must divide `workers` ({self.workers}) into equal nodes, got {nodes!r}")
         if uneven_batches not in ("pad", "split", "error"):
             raise ValueError(f"`uneven_batches` must be 'pad', 'split' or 'error', got {uneven_batches!r}")
         self.uneven_batches = uneven_batches
@@ -136,8 +146,9 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
                 "GradCompSimStrategy: `accumulate_grad_batches` must be 1 (allowed: 1); give each simulated "
                 "worker a larger share of the batch instead"
             )
-        self.hook_state = SimulatedExchange(self.compressor, self.workers, self.error_feedback,
-                                            self.min_compress_numel, self.seed)
+        nodes, local_size = (self.nodes, self.workers // self.nodes) if self.hierarchy == "node" else (self.workers, 1)
+        self.hook_state = SimulatedExchange(self.compressor, nodes, self.error_feedback, self.min_compress_numel,
+                                            self.seed, local_size=local_size)
         check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
         self._restore_pending()
 
@@ -166,13 +177,21 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         assert self.hook_state is not None and self.lightning_module is not None
         module = self.lightning_module
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        node_grads: list[list[tuple[str, Tensor]]] = []
         for worker, loss in enumerate(self._worker_losses):
             for _, p in params:
                 p.grad = None
             self.current_worker = worker
             super().backward(loss, optimizer, *args, **kwargs)
             grads = [(name, p.grad) for name, p in params if p.grad is not None]
-            self.hook_state.add_worker(worker, grads)
+            local_size = self.hook_state.local_size
+            if local_size == 1:
+                self.hook_state.add_worker(worker, grads)
+                continue
+            node_grads.append(grads)
+            if len(node_grads) == local_size:  # the node's last worker: its average goes to the exchange
+                self.hook_state.add_worker(worker // local_size, local_average(node_grads))
+                node_grads = []
         self.current_worker = 0
         self._worker_losses = []
         aggregate = self.hook_state.finish_step()
@@ -222,7 +241,8 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if self.hook_state is not None:
-            checkpoint[CHECKPOINT_KEY] = pack(self.workers, self.compressor, self.hook_state.state_dicts())
+            checkpoint[CHECKPOINT_KEY] = pack(self.workers, self.compressor, self.hook_state.state_dicts(),
+                                              self.hook_state.layout)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:

@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--warmup-epochs", type=int, default=None, help="add DGCWarmup(epochs=N)")
     parser.add_argument("--lr-warmup", action="store_true", help="with --warmup-epochs: warm the LR up too")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1, help="with NODE_RANK set by the caller for each node")
+    parser.add_argument("--hierarchy", default="none", choices=["none", "node"])
     parser.add_argument("--simulate", type=int, default=0, help="simulate N workers on one process")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=-1)
@@ -100,7 +102,8 @@ def main() -> None:
         strategy = GradCompSimStrategy(workers=args.simulate, compressor=compressor)
         args.devices = 1
     else:
-        strategy = GradCompStrategy(compressor=compressor) if args.strategy == "gradcomp" else "ddp"
+        strategy = (GradCompStrategy(compressor=compressor, hierarchy=args.hierarchy) if args.strategy == "gradcomp"
+                    else "ddp")
     recorder = RecordSteps()
     callbacks = [recorder]
     if args.monitor:
@@ -111,7 +114,7 @@ def main() -> None:
     if args.warmup_epochs:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_epochs=args.epochs,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
         logger=_logger(args), log_every_n_steps=5,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,0 +1,208 @@
+"""Two "nodes" of 2 processes joined by a slow link: flat against hierarchical compressed exchange.
+
+    sudo python benchmarks/two_level_link.py --rate 100mbit [--model mlp|resnet18] [--methods ...]
+
+Creates two private network namespaces, ``gcnodeA`` and ``gcnodeB``, joined by a veth pair whose ends
+(10.77.0.1 and 10.77.0.2, nothing else is addressed) are shaped by ``tc tbf`` to ``--rate`` in each
+direction. Ranks 0-1 run in A and ranks 2-3 in B (``GLOO_SOCKET_IFNAME`` is the veth end, so traffic
+between the processes of one node stays on its unshaped loopback, and only traffic between nodes crosses
+the shaped link). Every method runs in its own 4 processes (gloo, one CPU thread each; the machine's 2
+cores are shared, so compute is slower than in ``slow_link.py``), one after the other: plain DDP,
+PyTorch's PowerSGD hook (rank 2), gradcomp flat (every rank exchanges compressed with every rank) and
+hierarchical (``hierarchy="node"``: dense inside the node, compressed between nodes), and ``noop_hook``,
+the bound where communication costs nothing. Printed: median step time over ``--steps`` steps after
+warm-up, ratios to DDP and to the bound, and the communication time the network model predicts for
+the collectives rank 0 logged (``Network(rate, local_size=2, intra_bandwidth_gbps=--intra-gbps)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NODES = {"A": ("gcnodeA", "vgcA", "10.77.0.1"), "B": ("gcnodeB", "vgcB", "10.77.0.2")}
+METHODS = ["ddp", "noop", "torch_powersgd", "topk", "topk_hier", "powersgd", "powersgd_hier", "dgc", "dgc_hier"]
+LOCAL_SIZE = 2
+
+
+def _ip(*args: str, netns: str = "") -> None:
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    subprocess.run([*prefix, *args], check=True)
+
+
+def create_nodes(rate: str) -> None:
+    """Two namespaces joined by a veth pair shaped to ``rate`` each way (recreated; root only)."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        raise SystemExit("two_level_link: needs `ip` and `tc` (apt-get install iproute2) and root")
+    existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for netns, _, _ in NODES.values():
+        if netns in existing:
+            _ip("ip", "netns", "del", netns)
+        _ip("ip", "netns", "add", netns)
+        _ip("ip", "link", "set", "lo", "up", netns=netns)
+    (ns_a, dev_a, _), (ns_b, dev_b, _) = NODES["A"], NODES["B"]
+    _ip("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+    for netns, dev, address in NODES.values():
+        _ip("ip", "addr", "add", f"{address}/24", "dev", dev, netns=netns)
+        _ip("ip", "link", "set", dev, "up", netns=netns)
+        _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms",
+            netns=netns)
+
+
+def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_name: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, powerSGD_hook
+
+    from lightning_gradcomp.compressors import DGC, PowerSGD, TopK
+    from lightning_gradcomp.hierarchy import HierarchicalHookState, node_groups
+    from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+    from slow_link import build_model
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR=NODES["A"][2], MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2 * LOCAL_SIZE)
+    hierarchical = method.endswith("_hier")
+    groups = node_groups(2, LOCAL_SIZE) if hierarchical else None  # every rank creates the groups
+    method = method.removesuffix("_hier")
+    model, batch_shape = build_model(model_name)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = None
+    if method == "noop":
+        ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif method == "torch_powersgd":
+        torch_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        ddp.register_comm_hook(torch_state, powerSGD_hook.powerSGD_hook)
+    elif method != "ddp":
+        compressor = {"topk": TopK(0.001), "dgc": DGC(0.001, momentum=0.9), "powersgd": PowerSGD(rank=2)}[method]
+        if groups is not None:
+            state = HierarchicalHookState(compressor, names, intra_group=groups[0], cross_group=groups[1])
+        else:
+            state = GradCompHookState(compressor, names)
+        ddp.register_comm_hook(state, gradcomp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
+    step_times, collectives = [], []
+    for step in range(warmup + steps):
+        dist.barrier()
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        if step >= warmup:
+            step_times.append(time.perf_counter() - began)
+        if state is not None:
+            collectives = state.take_step_stats().collectives
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": step_times, "collectives": collectives, "dense": dense}))
+    dist.destroy_process_group()
+
+
+def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
+    """Four worker processes (two per node) for one method; rank 0's record, or why they failed."""
+    out = Path(args.out).with_suffix(f".{method}.json")
+    out.unlink(missing_ok=True)
+    port = _free_port()
+    here = str(Path(__file__).resolve())
+    procs = []
+    for rank in range(2 * LOCAL_SIZE):
+        netns, dev, _ = NODES["A" if rank < LOCAL_SIZE else "B"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=dev,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(Path(here).parent), os.environ.get("PYTHONPATH")])))
+        command = ["ip", "netns", "exec", netns, sys.executable, here, "--worker", str(rank), "--port", str(port),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out), "--methods", method,
+                   "--model", args.model]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return {}, f"timed out after {args.timeout} s"
+    if any(p.returncode for p in procs) or not out.exists():
+        lines = [line for text in outputs for line in text.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+        return {}, f"crashed (exit codes {[p.returncode for p in procs]}): {reason.strip()[-200:]}"
+    return json.loads(out.read_text()), ""
+
+
+def _free_port() -> int:
+    # The store listens on node A's veth address; a port free on this host's loopback is free there too.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rate_gbps(rate: str) -> float:
+    from lightning_gradcomp.estimate import parse_bandwidth
+
+    return parse_bandwidth(rate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--model", default="mlp", choices=["mlp", "resnet18"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--intra-gbps", type=float, default=10.0,
+                        help="the network model's bandwidth inside a node (this VM's TCP loopback)")
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="/tmp/gradcomp_two_level", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out)
+        return
+    from lightning_gradcomp.netmodel import Network
+
+    create_nodes(args.rate)
+    network = Network(_rate_gbps(args.rate), 50.0, local_size=LOCAL_SIZE, intra_bandwidth_gbps=args.intra_gbps,
+                      intra_latency_us=10.0)
+    results = {}
+    for method in args.methods:
+        record, failure = run_method(method, args)
+        results[method] = (record, failure)
+        median = statistics.median(record["times"]) * 1e3 if record else float("nan")
+        print(f"{method}: {failure or f'{median:.1f} ms'}", flush=True)
+    medians = {m: statistics.median(r["times"]) * 1e3 for m, (r, f) in results.items() if r}
+    print(f"\n# 2 nodes x {LOCAL_SIZE} processes, gloo, 1 thread each, {args.rate} between nodes (veth, tc tbf), "
+          f"loopback inside a node; {args.model}; median of {args.steps} steps after {args.warmup} warm-up; "
+          f"model: {network}\n")
+    print("| method | step (ms) | speed-up vs DDP | time / noop bound | predicted communication (ms) | "
+          "measured step - bound (ms) |")
+    print("|---|---|---|---|---|---|")
+    for method, (record, failure) in results.items():
+        if not record:
+            print(f"| {method} | {failure} | | | | |")
+            continue
+        median = medians[method]
+        if method == "ddp":
+            predicted = network.all_reduce_time(record["dense"], 2 * LOCAL_SIZE) * 1e3
+        elif record["collectives"]:
+            predicted = network.step_time([tuple(c) for c in record["collectives"]], 2 * LOCAL_SIZE) * 1e3
+        else:
+            predicted = float("nan")
+        bound = medians.get("noop", float("nan"))
+        print(f"| {method} | {median:.1f} | {medians.get('ddp', float('nan')) / median:.2f}x | {median / bound:.2f} | "
+              f"{predicted:.1f} | {median - bound:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
