@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradcomp estimate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
-                        help="torchvision:<name>, mlp:<in>,<hidden>...,<out>, or a class path (nn.Module/LightningModule)")
+                        help="torchvision:<name>, mlp:<in>,<hidden>...,<out>, or a class path "
+                             "(nn.Module/LightningModule)")
     parser.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments of the model")
     parser.add_argument("--batch-shape", required=True, help="per-worker input shape, e.g. 32,3,224,224")
     parser.add_argument("--input-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int64"])
@@ -301,7 +302,8 @@ def run(argv: Optional[list[str]] = None) -> list[Prediction]:
     predictions = predict(exchanges, compute_s, network, args.workers)
     dense, half = predictions[0], predictions[1]
     print(f"# {args.model}: {numel / 1e6:.2f}M parameters, batch {args.batch_shape} per worker, "
-          f"{args.workers} workers, {network.bandwidth_gbps:g} Gbit/s {network.topology}, {network.latency_us:g} µs; "
+          f"{args.workers} workers, {network.bandwidth_gbps:g} Gbit/s {network.topology}, "
+          f"{network.latency_us:g} µs; "
           f"measured on {device} ({torch.get_num_threads()} threads): forward+backward+SGD step {compute_s * 1e3:.1f} ms")
     print(_table(predictions, dense, half, compute_s))
     print(f"recommendation: {recommend(predictions, dense, half)}")

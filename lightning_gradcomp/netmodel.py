@@ -25,7 +25,8 @@ worker (a flat exchange; a ring enters and leaves each node once, so it gets the
 the formulas above hold); ``"node:all_reduce"`` runs among the ``local_size`` processes of one node on
 the intra-node links; ``"cross:all_gather"`` among the ``workers / local_size`` processes of the same
 local rank, one per node — the ``local_size`` such groups of a node run at the same time and share the
-node's link, so each is priced at ``bandwidth_gbps / local_size``. The hierarchical exchange (:class:`~lightning_gradcomp.hierarchy.HierarchicalHookState`) logs its
+node's link, so each is priced at ``bandwidth_gbps / local_size``. The hierarchical exchange
+(:class:`~lightning_gradcomp.hierarchy.HierarchicalHookState`) logs its
 collectives with these scopes.
 
 Headers, protocol overheads and congestion are ignored: this is an estimate for comparing compressors.
@@ -72,8 +73,8 @@ class Network:
         if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
             raise ValueError(f"`latency_us` must be a number >= 0, got {self.latency_us!r}")
         intra_latency = self.intra_latency_us
-        if intra_latency is not None and (isinstance(intra_latency, bool) or not isinstance(intra_latency, (int, float))
-                                          or intra_latency < 0):
+        if intra_latency is not None and (isinstance(intra_latency, bool)
+                                          or not isinstance(intra_latency, (int, float)) or intra_latency < 0):
             raise ValueError(f"`intra_latency_us` must be None or a number >= 0, got {intra_latency!r}")
         if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 1:
             raise ValueError(f"`local_size` must be an integer >= 1, got {self.local_size!r}")
