@@ -37,6 +37,7 @@ from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.handle import GradCompHandle, register
 from lightning_gradcomp.netmodel import Network
 from lightning_gradcomp.options import (
+    REGISTERED_VARIANTS,
     check_ddp_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -117,8 +118,7 @@ class GradCompFabricStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants with Fabric."""
-        for name, start_method in (("gradcomp", "popen"), ("gradcomp_spawn", "spawn"),
-                                   ("gradcomp_fork", "fork"), ("gradcomp_notebook", "fork")):
+        for name, start_method in REGISTERED_VARIANTS:
             strategy_registry.register(
                 name, cls, override=True, start_method=start_method,
                 description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",

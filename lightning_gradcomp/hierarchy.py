@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gradcomp.exchange.drivers import TorchDriver
-from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.hook import GradCompHookState
 
 T = TypeVar("T")
@@ -114,17 +113,11 @@ class HierarchicalHookState(GradCompHookState):
     def exchange(self, bucket: dist.GradBucket) -> Future:
         """Dense inside the node, compressed between nodes (this rank's share), dense inside the node."""
         buffer = bucket.buffer()
-        entries = [Entry(self._name(param), tuple(param.shape), grad.view(-1), grad.view(-1))
-                   for param, grad in zip(bucket.parameters(), bucket.gradients())]
+        entries = self.entries(bucket)
         self.intra.all_reduce(buffer)
         buffer.div_(self.local_size)
         shares = partition(entries, [entry.grad.numel() for entry in entries], self.local_size)
-        owned = shares[self.local_rank]
-        protocol = self.engine.bucket(owned, self.step, self.driver.rank, self.driver.world_size)
-        self.hook_calls += 1
-        if bucket.is_last():
-            self.step += 1
-        report = self.driver.run(protocol).wait()
+        report = self.driver.run(self._start(bucket, shares[self.local_rank])).wait()
         for share, entries_of_share in enumerate(shares):
             if share != self.local_rank:
                 for entry in entries_of_share:

@@ -21,7 +21,7 @@ from torch.futures import Future
 from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import TorchDriver
-from lightning_gradcomp.exchange.engine import BucketReport, Entry, ExchangeEngine
+from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
 from lightning_gradcomp.exchange.thread import ExchangeThread
 from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.options import exchange_options
@@ -170,12 +170,8 @@ class GradCompHookState:
     def exchange(self, bucket: dist.GradBucket) -> Future:
         """Exchange one bucket; the future's value is the bucket's buffer holding the average."""
         buffer = bucket.buffer()
-        entries = [Entry(self._name(param), tuple(param.shape), grad.view(-1), grad.view(-1))
-                   for param, grad in zip(bucket.parameters(), bucket.gradients())]
-        protocol = self.engine.bucket(entries, self.step, self.driver.rank, self.driver.world_size)
-        self.hook_calls += 1
-        if bucket.is_last():
-            self.step += 1
+        protocol = self._start(bucket, self.entries(bucket))
+
         def finish(report: BucketReport) -> torch.Tensor:
             self._account(report)
             return buffer
@@ -185,6 +181,20 @@ class GradCompHookState:
                 self.thread = ExchangeThread(self.driver)
             return self.thread.submit(protocol, buffer.device, finish)
         return self.driver.run(protocol).then(lambda done: finish(done.value()))
+
+    def entries(self, bucket: dist.GradBucket) -> list[Entry]:
+        """The bucket's parameters: each gradient's view, which also receives its aggregate."""
+        return [Entry(self._name(param), tuple(param.shape), grad.view(-1), grad.view(-1))
+                for param, grad in zip(bucket.parameters(), bucket.gradients())]
+
+    def _start(self, bucket: dist.GradBucket, entries: list[Entry]) -> BucketProtocol:
+        """The engine's exchange of ``entries`` among the driver's workers; counts the hook call, and the
+        step when ``bucket`` is the step's last."""
+        protocol = self.engine.bucket(entries, self.step, self.driver.rank, self.driver.world_size)
+        self.hook_calls += 1
+        if bucket.is_last():
+            self.step += 1
+        return protocol
 
     def _use_thread(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.exchange_thread is None else self.exchange_thread

@@ -100,6 +100,9 @@ _DDP_DEFAULTS = {name: parameter.default for name, parameter in _DDP_SIGNATURE.i
 #: DDP arguments the strategy sets itself; LightningCLI passes them as None, which is accepted and dropped.
 _STRATEGY_OWNED_DDP_KWARGS = ("device_ids", "output_device", "process_group")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: The registered names of the DDP strategies (Trainer and Fabric) and the start method each stands for.
+REGISTERED_VARIANTS = (("gradcomp", "popen"), ("gradcomp_spawn", "spawn"), ("gradcomp_fork", "fork"),
+                       ("gradcomp_notebook", "fork"))
 
 
 def check_ddp_kwargs(kwargs: dict[str, Any], strategy: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.options import (
+    REGISTERED_VARIANTS,
     check_ddp_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -151,12 +152,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants."""
-        for name, start_method in (
-            ("gradcomp", "popen"),
-            ("gradcomp_spawn", "spawn"),
-            ("gradcomp_fork", "fork"),
-            ("gradcomp_notebook", "fork"),
-        ):
+        for name, start_method in REGISTERED_VARIANTS:
             strategy_registry.register(
                 name,
                 cls,
