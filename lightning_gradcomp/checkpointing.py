@@ -31,8 +31,9 @@ def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], l
 
 
 def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Optional[dict[str, Any]]:
-    """Collective over the hook's process group: every rank's state, packed on the group's first rank
-    (``None`` on the others). Every rank of the group must call it."""
+    """Collective over the hook state's ``checkpoint_group`` (the exchange's group; the whole world in
+    hierarchical mode): every rank's state, packed on the group's first rank (``None`` on the others).
+    Every rank of the group must call it."""
     group = hook_state.checkpoint_group
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
@@ -43,9 +44,9 @@ def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Opt
 
 def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,
                   load_worker_states: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Apply a checkpoint entry: every worker's own state when the run has the same number of workers
-    and the same compressor; otherwise keep only the step counter and the running totals, with a warning.
-    """
+    """Apply a checkpoint entry: every worker's own state when the run has the same number of workers,
+    the same compressor and the same exchange layout; otherwise keep only the step counter and the
+    running totals, with a warning that says what is dropped."""
     check_format(saved)
     name = type(compressor).__name__
     layout = getattr(hook_state, "layout", "flat")
