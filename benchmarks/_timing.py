@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -37,3 +37,24 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print("|" + "|".join("---" for _ in headers) + "|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+
+
+def ddp_step_times(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                   steps: int, warmup: int, after_step: Optional[Callable[[], None]] = None) -> list[float]:
+    """Seconds of each of ``steps`` training steps after ``warmup`` (every rank starts each step together:
+    a barrier first); ``after_step`` runs after each step, outside the timing."""
+    import torch.distributed as dist
+
+    times = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - began)
+        if after_step is not None:
+            after_step()
+    dist.barrier()
+    return times

@@ -29,7 +29,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 NETNS = "gcnet"
@@ -79,6 +78,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
     from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, Int8AllReduce, PowerSGD, TopK
+    from _timing import ddp_step_times
     from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 
     torch.set_num_threads(1)
@@ -106,16 +106,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
-    step_times = []
-    for step in range(warmup + steps):
-        dist.barrier()
-        began = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        if step >= warmup:
-            step_times.append(time.perf_counter() - began)
-    dist.barrier()
+    step_times = ddp_step_times(ddp, optimizer, x, y, steps, warmup)
     if rank == 0:
         Path(out).write_text(json.dumps(step_times))
     dist.destroy_process_group()

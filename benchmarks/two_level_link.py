@@ -24,7 +24,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 NODES = {"A": ("gcnodeA", "vgcA", "10.77.0.1"), "B": ("gcnodeB", "vgcB", "10.77.0.2")}
@@ -65,6 +64,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from lightning_gradcomp.compressors import DGC, PowerSGD, TopK
     from lightning_gradcomp.hierarchy import HierarchicalHookState, node_groups
     from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+    from _timing import ddp_step_times
     from slow_link import build_model
 
     torch.set_num_threads(1)
@@ -92,19 +92,15 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
-    step_times, collectives = [], []
-    for step in range(warmup + steps):
-        dist.barrier()
-        began = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        if step >= warmup:
-            step_times.append(time.perf_counter() - began)
+    collectives: list = []
+
+    def keep_collectives() -> None:  # the last step's collectives, for the network model
+        nonlocal collectives
         if state is not None:
             collectives = state.take_step_stats().collectives
+
+    step_times = ddp_step_times(ddp, optimizer, x, y, steps, warmup, keep_collectives)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps({"times": step_times, "collectives": collectives, "dense": dense}))
     dist.destroy_process_group()
@@ -114,6 +110,8 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
     """Four worker processes (two per node) for one method; rank 0's record, or why they failed."""
     out = Path(args.out).with_suffix(f".{method}.json")
     out.unlink(missing_ok=True)
+    from slow_link import _free_port  # any free port of this host is free on the veth address too
+
     port = _free_port()
     here = str(Path(__file__).resolve())
     procs = []
@@ -136,15 +134,6 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
         reason = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
         return {}, f"crashed (exit codes {[p.returncode for p in procs]}): {reason.strip()[-200:]}"
     return json.loads(out.read_text()), ""
-
-
-def _free_port() -> int:
-    # The store listens on node A's veth address; a port free on this host's loopback is free there too.
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rate_gbps(rate: str) -> float:

@@ -8,15 +8,9 @@ from lightning.fabric import Fabric
 
 import lightning_gradcomp
 from lightning_gradcomp import GradCompFabricStrategy, TopK
+from tests.test_lightning_ddp import EPOCHS, STEPS_PER_EPOCH, _params_equal
 
 pytestmark = pytest.mark.multiprocess
-
-EPOCHS = "10"
-STEPS_PER_EPOCH = 22  # 1348 training images / 2 ranks / batch 32, rounded up
-
-
-def _params_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_none_gives_parameters_identical_to_fabric_ddp(fabric_runs) -> None:
