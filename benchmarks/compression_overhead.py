@@ -8,18 +8,22 @@ state (DGC's momentum and velocity), selection or quantisation, packing, decodin
 writing it into the gradient (the DDP bucket), run through the same engine as the DDP hook, with an
 in-process driver for one worker (the collective is an in-process copy of the payload; no network).
 The time is divided by the median time of one copy of the tensor (a "pass"), measured in the same run,
-so the figures compare across machines. Bytes and ratio are those handed to the collective.
+so the figures compare across machines. Bytes and ratio are those handed to the collective. The column
+"compress alone" is ``compressor.compress`` by itself, in passes: selection and payload for the
+sparsifiers (with DGC's state update), quantise + pack for QSGD; "-" for multi-round methods (PowerSGD).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+from typing import Optional
 
 import torch
 
 from _timing import median_seconds, memory_pass_seconds, print_table
 from lightning_gradcomp.compressors import DGC, FP16, QSGD, HardThreshold, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
 from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback
@@ -72,6 +76,22 @@ def exchange_seconds(compressor, source: torch.Tensor, shape: tuple[int, ...], r
     return sorted(times)[len(times) // 2], bytes_sent
 
 
+def compress_seconds(compressor, source: torch.Tensor, repeats: int) -> Optional[float]:
+    """Median time of ``compressor.compress`` alone on ``source`` (state kept between calls), or None for
+    a compressor that overrides the exchange instead."""
+    if type(compressor).compress is Compressor.compress:
+        return None
+    ctx = CompressContext("w", shape=tuple(source.shape))
+    step = [0]
+
+    def one() -> None:
+        ctx.step, ctx.finite = step[0], True
+        compressor.compress(source, ctx)
+        step[0] += 1
+
+    return median_seconds(one, repeats=repeats, warmup=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 2.5e7])
@@ -91,10 +111,12 @@ def main() -> None:
         rows = []
         for name, compressor in compressors(x).items():
             seconds, nbytes = exchange_seconds(compressor, x, shape, args.repeats)
-            rows.append([name, f"{seconds * 1e3:.1f}", f"{seconds / unit:.1f}", f"{nbytes:,}",
-                         f"{4 * n / max(nbytes, 1):.0f}x"])
+            alone = compress_seconds(compressor, x, args.repeats)
+            rows.append([name, f"{seconds * 1e3:.1f}", f"{seconds / unit:.1f}",
+                         "-" if alone is None else f"{alone / unit:.1f}", f"{nbytes:,}", f"{4 * n / max(nbytes, 1):.0f}x"])
         print(f"\n{n / 1e6:g}M elements as {shape} (one copy: {unit * 1e3:.2f} ms)\n")
-        print_table(["compressor", "exchange (ms)", "passes (÷ copy)", "bytes handed over", "ratio"], rows)
+        print_table(["compressor", "exchange (ms)", "passes (÷ copy)", "compress alone (÷ copy)", "bytes handed over",
+                     "ratio"], rows)
 
 
 if __name__ == "__main__":

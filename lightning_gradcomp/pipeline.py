@@ -58,13 +58,15 @@ def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: li
 class WorkerPipeline:
     """Compress one worker's gradients with that worker's own memory.
 
-    Non-finite gradients (NaN or Inf; found by one reduction per gradient, :func:`all_finite`): the
-    engine makes the result of the bucket NaN on every worker, like DDP's all-reduce would (so AMP's
-    GradScaler skips the step on every rank, and without AMP the loss shows it), and the step is void
-    for the bucket's memory on every worker: residuals and the state a compressor keeps after the
-    exchange (PowerSGD's ``Q``) stay as they were, and no compression error is recorded. The worker that
-    saw the values also leaves the state a compressor updates while compressing (DGC's momentum and
-    velocity) of that parameter unchanged (on the other workers it advances), and names the parameters in a warning at the end of the step
+    Non-finite gradients (NaN or Inf; found by one reduction per gradient, :func:`all_finite`, or by the
+    compressor from its block peaks, :attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`,
+    which then judges ``g + e`` under error feedback): the engine makes the result of the bucket NaN on
+    every worker, like DDP's all-reduce would (so AMP's GradScaler skips the step on every rank, and
+    without AMP the loss shows it), and the step is void for the bucket's memory on every worker:
+    residuals and the state a compressor keeps after the exchange (PowerSGD's ``Q``) stay as they were,
+    and no compression error is recorded. The worker that saw the values also leaves the state a
+    compressor updates while compressing (DGC's momentum and velocity) of that parameter unchanged (on
+    the other workers it advances), and names the parameters in a warning at the end of the step
     (:meth:`take_nonfinite`).
 
     Args:
@@ -87,12 +89,13 @@ class WorkerPipeline:
 
     def dense_protocol(self, view: Tensor, ctx: CompressContext,
                        out: Optional[Tensor]) -> Generator[Round, list, int]:
-        """A parameter below the size threshold: averaged uncompressed (DGC adds its momentum first)."""
-        self._note(ctx)
+        """A parameter below the size threshold: averaged uncompressed (DGC adds its momentum first, the
+        16-bit casts cast it)."""
         sent = self.compressor.dense(view, ctx)
-        if self.telemetry:
-            zero = torch.zeros((), dtype=torch.float64, device=view.device)
-            self.recorder.add(ctx.name, zero, squared_norm(sent), view.numel(), view.numel(), ctx.finite)
+        if self.telemetry:  # a cast (fp16, bf16) has a rounding error; anything else sent dense is exact
+            error = (squared_norm(view - sent.to(view.dtype)) if sent.dtype != view.dtype
+                     else torch.zeros((), dtype=torch.float64, device=view.device))
+            self.recorder.add(ctx.name, error, squared_norm(sent), view.numel(), view.numel(), ctx.finite)
         (mean,) = yield Round([Mean(sent)], last=True)
         if out is not None:
             out.copy_(mean)
@@ -107,7 +110,6 @@ class WorkerPipeline:
         """
         if view.numel() > MAX_NUMEL:
             raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
-        self._note(ctx)
         corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
         tensor = view if corrected is None else corrected
         outcome: Outcome = yield from self.compressor.exchange(tensor, ctx)
@@ -126,9 +128,10 @@ class WorkerPipeline:
         entries, self._nonfinite = self._nonfinite, []
         return [name for name, finite in entries if finite is False or (isinstance(finite, Tensor) and not bool(finite))]
 
-    def _note(self, ctx: CompressContext) -> None:
-        if ctx.finite is not True:
-            self._nonfinite.append((ctx.name, ctx.finite))
+    def note_nonfinite(self, contexts: list[CompressContext]) -> None:
+        """Remember the parameters whose gradient this worker found not finite (or may have, on
+        accelerators), for :meth:`take_nonfinite`; the engine calls it once per bucket."""
+        self._nonfinite.extend((ctx.name, ctx.finite) for ctx in contexts if ctx.finite is not True)
 
     def _remember(self, ctx: CompressContext, corrected: Tensor, outcome: Outcome) -> None:
         """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""

@@ -54,7 +54,8 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             Default: Top-k at density 0.01.
         error_feedback: keep residuals ``e = p - C(p)`` and add them to the next gradient. ``None``
             (default) switches it on for biased compressors and off for unbiased ones.
-        min_compress_numel: tensors with fewer elements (biases, norms) are all-reduced dense.
+        min_compress_numel: tensors with fewer elements (biases, norms) are all-reduced dense (in the 16-bit
+            format with `"fp16"`/`"bf16"`, so that a bucket stays one all-reduce).
         seed: base seed of the compressors' generators; identical on all ranks.
         log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).

@@ -166,3 +166,41 @@ def test_names_build_default_instances() -> None:
     assert isinstance(get_compressor("QSGD"), QSGD)
     instance = TopK(0.5)
     assert get_compressor(instance) is instance
+
+
+def test_cpu_noise_is_uniform_on_a_16_bit_grid_strictly_inside_the_unit_interval() -> None:
+    from lightning_gradcomp.compressors.qsgd import offset_uniform
+
+    u = offset_uniform(400_000, 3.0, torch.float32, torch.Generator().manual_seed(0), torch.device("cpu")) - 3.0
+    assert u.min() > 0 and u.max() < 1
+    grid = u * 2**16 - 0.5
+    assert torch.equal(grid, grid.round()), "u = (r + 1/2) / 2^16"
+    counts = torch.bincount((u * 16).long(), minlength=16).double()
+    assert ((counts - 25_000).abs() < 5 * 25_000**0.5).all(), counts  # 16 equal bins, within 5 sigma
+    again = offset_uniform(400_000, 3.0, torch.float32, torch.Generator().manual_seed(0), torch.device("cpu")) - 3.0
+    assert torch.equal(u, again), "the same generator state draws the same noise"
+
+
+def test_scratch_tensors_are_reused_per_tag_and_thread_and_never_reach_a_payload() -> None:
+    import threading
+
+    from lightning_gradcomp.compressors.scratch import scratch
+
+    first = scratch("test.a", 1000, torch.float32, torch.device("cpu"))
+    assert scratch("test.a", 500, torch.float32, torch.device("cpu")).data_ptr() == first.data_ptr()
+    assert scratch("test.b", 500, torch.float32, torch.device("cpu")).data_ptr() != first.data_ptr()
+    assert scratch("test.a", 2000, torch.float32, torch.device("cpu")).numel() == 2000  # grows
+    other: list[int] = []
+    thread = threading.Thread(target=lambda: other.append(scratch("test.a", 10, torch.float32,
+                                                                  torch.device("cpu")).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != scratch("test.a", 10, torch.float32, torch.device("cpu")).data_ptr()
+    # QSGD quantises through scratch tensors: a payload kept across later calls is not overwritten
+    compressor, x = QSGD(levels=16, bucket_size=100), torch.randn(1003)
+    payload = compressor.compress(x, ctx(step=0))
+    kept = [part.clone() for part in payload.parts]
+    decoded = compressor.decompress(payload)
+    compressor.compress(torch.randn(1003), ctx(step=1))
+    assert all(torch.equal(part, copy) for part, copy in zip(payload.parts, kept))
+    assert torch.equal(compressor.decompress(payload), decoded)

@@ -113,3 +113,25 @@ def test_wire_layout_with_qsgd_bytes_and_float_norms() -> None:
     slots, total = wire.layout([[(part.dtype, part.numel()) for part in payload.parts]])
     decoded = wire.deserialize(wire.serialize([payload.parts], slots, total, torch.device("cpu")), slots)[0]
     assert all(torch.equal(a, b) for a, b in zip(payload.parts, decoded))
+
+
+@pytest.mark.parametrize("cast", ["fp16", "bf16"])
+def test_a_cast_sends_a_bucket_with_small_tensors_in_one_16_bit_all_reduce(cast: str) -> None:
+    """Small tensors (below min_compress_numel) ride in the same 16-bit all-reduce as the rest: one
+    collective per bucket, 2 bytes per element plus the finiteness flag."""
+    from lightning_gradcomp.compressors import COMPRESSORS
+    from lightning_gradcomp.simulation import SimulatedExchange
+
+    wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[cast]
+    exchange = SimulatedExchange(COMPRESSORS[cast](), workers=2, min_compress_numel=100)
+    exchange.telemetry = True
+    generator = torch.Generator().manual_seed(0)
+    grads = [[("w", torch.randn(30, 20, generator=generator)), ("b", torch.randn(30, generator=generator) / 3)]
+             for _ in range(2)]
+    for worker in range(2):
+        exchange.add_worker(worker, grads[worker])
+    aggregate = exchange.finish_step()
+    assert exchange.step_stats.collectives == [("all_reduce", 2 * (600 + 30 + 1))]
+    for name, index in (("w", 0), ("b", 1)):
+        halves = [(grads[worker][index][1].reshape(-1) / 2).to(wire_dtype) for worker in range(2)]
+        assert torch.equal(aggregate[name], (halves[0] + halves[1]).float())

@@ -72,3 +72,31 @@ def test_real_driver_has_the_same_semantics() -> None:
     from tests._gloo_workers import check_nonfinite_propagates
 
     run_gloo(check_nonfinite_propagates, 2, ["none", "topk", "threshold", "dgc", "powersgd"])
+
+
+def test_the_engine_leaves_the_check_to_compressors_that_find_it_and_refuses_one_that_does_not(monkeypatch) -> None:
+    """Top-k reads finiteness from its block peaks, so the engine's pass over the gradient is skipped for
+    the tensors it compresses (not for those sent dense, nor for DGC, whose state update needs it first);
+    a compressor that declares it but does not set ``ctx.finite`` is an error naming the parameter."""
+    from lightning_gradcomp.compressors import DGC, TopK
+    from lightning_gradcomp.exchange import engine as engine_module
+
+    checked: list[int] = []
+    real = engine_module.all_finite
+    monkeypatch.setattr(engine_module, "all_finite", lambda tensor: checked.append(tensor.numel()) or real(tensor))
+    for compressor, expected in [(TopK(0.01), [24]), (DGC(0.01), [1280, 720, 24])]:
+        checked.clear()
+        exchange = SimulatedExchange(compressor, workers=1, min_compress_numel=100)
+        exchange.add_worker(0, _grads(0, 0))
+        exchange.finish_step()
+        assert sorted(checked, reverse=True) == expected, type(compressor).__name__
+
+    class Forgetful(TopK):
+        def compress(self, tensor, ctx):
+            payload = super().compress(tensor, ctx)
+            ctx.finite = None
+            return payload
+
+    exchange = SimulatedExchange(Forgetful(0.01), workers=1, min_compress_numel=100)
+    with pytest.raises(RuntimeError, match="declares checks_finite but its compress did not set ctx.finite for 'a.weight'"):
+        exchange.add_worker(0, _grads(0, 0))  # the simulated worker compresses at once

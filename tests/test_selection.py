@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import DGC, HardThreshold, TopK
-from lightning_gradcomp.compressors.base import CompressContext
+from lightning_gradcomp.compressors.base import CompressContext, all_finite
 from lightning_gradcomp.compressors.dgc import MOMENTUM, VELOCITY
-from lightning_gradcomp.compressors.selection import block_layout, block_topk, threshold_indices, topk_indices
+from lightning_gradcomp.compressors.selection import (
+    block_layout,
+    block_topk,
+    select_threshold,
+    select_topk,
+    threshold_indices,
+    topk_indices,
+)
 
 
 def _tensor(distribution: str, numel: int, seed: int) -> torch.Tensor:
@@ -112,3 +119,27 @@ def test_hard_threshold_payload_is_unchanged_by_pruning() -> None:
 def test_bad_selection_is_refused_naming_the_allowed_values() -> None:
     with pytest.raises(ValueError, match="`selection` must be one of 'blocks', 'sampled', 'exact'"):
         TopK(0.01, selection="fast")
+
+
+@pytest.mark.parametrize("numel,density", [(64_017, 0.001), (10_000, 0.05), (1_000, 0.5), (40, 0.1)])
+@pytest.mark.parametrize("where", ["nowhere", "first", "middle", "last"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selections_say_whether_the_tensor_was_finite_as_all_finite_does(
+        numel: int, density: float, where: str, bad: float, dtype: torch.dtype) -> None:
+    """Contiguous blocks with a tail, strided blocks, the exact fallback and a tensor without a whole
+    block: the finiteness read from the block peaks (and the tail) is the engine's own check's."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    if where != "nowhere":
+        x[{"first": 0, "middle": numel // 2, "last": numel - 1}[where]] = bad
+    k = max(1, round(density * numel))
+    expected = all_finite(x)
+    assert expected is (where == "nowhere")
+    chosen = select_topk(x, k)
+    assert chosen.finite is expected
+    if expected:
+        assert torch.equal(chosen.indices, block_topk(x, k)), "reporting changes nothing else"
+    assert select_topk(x, k, "exact").finite is expected
+    assert select_threshold(x, 1.0).finite is expected
+    if expected:
+        assert torch.equal(select_threshold(x, 1.0).indices, torch.nonzero(x.abs() >= 1.0).view(-1))

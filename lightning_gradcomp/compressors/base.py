@@ -78,7 +78,8 @@ class CompressContext:
         state: persistent per-parameter, per-worker state owned by the compressor (checkpointed).
         shape: the parameter's shape (the tensor handed to the compressor is flat); ``()`` if unknown.
         finite: whether this worker's gradient is finite (see :func:`all_finite`). A compressor that keeps
-            state must leave it unchanged when it is not (:func:`keep_if_finite`).
+            state must leave it unchanged when it is not (:func:`keep_if_finite`). ``None`` while the
+            compressor is to find it itself (:attr:`Compressor.checks_finite`).
     """
 
     name: str
@@ -88,7 +89,7 @@ class CompressContext:
     seed: int = 0
     state: dict[str, Tensor] = field(default_factory=dict)
     shape: tuple[int, ...] = ()
-    finite: "Finite" = True
+    finite: "Optional[Finite]" = True
 
     def generator(self, device: torch.device, *, per_rank: bool) -> torch.Generator:
         """A fresh generator seeded from ``(seed, step, name[, rank])``; the global RNG is never touched.
@@ -113,6 +114,11 @@ class Compressor(ABC):
     #: Error feedback by default, where the method's paper decides otherwise than :attr:`biased` (signSGD
     #: with majority vote is biased and runs without it); ``None``: follow :attr:`biased`.
     default_error_feedback: ClassVar[Optional[bool]] = None
+    #: :meth:`compress` finds whether its input is finite as a by-product (Top-k's block peaks: one
+    #: maximum per block, NaN or infinite exactly when an element of the block is) and sets
+    #: ``ctx.finite`` before it returns, so the engine skips its own pass over the tensor. ``ctx.finite``
+    #: is ``None`` until then; such a compressor must not read it first.
+    checks_finite: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -17,9 +17,12 @@ Wider codes are split into their low byte and the remaining high bits; every gro
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_gradcomp.compressors.scratch import scratch
 
 MAX_BITS = 32
 
@@ -43,10 +46,17 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     return _pack_groups(codes.view(-1, 8), bits).reshape(-1)
 
 
-def unpack(packed: Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int64) -> Tensor:
-    """Inverse of :func:`pack`: the first ``numel`` codes, as ``dtype``."""
+def unpack(packed: Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int64,
+           out: Optional[Tensor] = None) -> Tensor:
+    """Inverse of :func:`pack`: the first ``numel`` codes, as ``dtype`` (written into ``out`` if given,
+    a tensor of ``numel`` elements; codes of at most 8 bits then need no temporary of ``numel`` bytes
+    beyond a reused scratch tensor on CPU)."""
     if bits <= 8:
-        return _unpack_words(packed, bits)[:numel].to(dtype)
+        lanes = None if out is None else scratch("unpack.lanes", packed.numel() * 8 // bits, torch.uint8, packed.device)
+        codes = _unpack_words(packed, bits, lanes)[:numel]
+        return codes.to(dtype) if out is None else out.copy_(codes)
+    if out is not None:
+        return out.copy_(unpack(packed, bits, numel, dtype))
     groups = packed.reshape(-1, bits)
     return _unpack_groups(groups, bits).reshape(-1)[:numel].to(dtype)
 
@@ -81,12 +91,13 @@ def _pack_words(codes: Tensor, bits: int) -> Tensor:
     return planes.view(-1)
 
 
-def _unpack_words(packed: Tensor, bits: int) -> Tensor:
+def _unpack_words(packed: Tensor, bits: int, lanes: Optional[Tensor] = None) -> Tensor:
+    """The codes of a lane-planar stream, in ``lanes`` (uint8, as many elements as codes) if given."""
     group, width = _group_layout(bits)
     if group == 1:
         return packed
     planes = packed.view(width, -1)
-    lanes = packed.new_zeros(group, planes.shape[1])
+    lanes = packed.new_zeros(group, planes.shape[1]) if lanes is None else lanes.view(group, -1).zero_()
     for byte, code, shift in _overlaps(bits, group, width):
         lanes[code].bitwise_or_(_shift(planes[byte], -shift))
     return lanes.bitwise_and_((1 << bits) - 1).view(-1)

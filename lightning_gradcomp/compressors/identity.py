@@ -1,7 +1,8 @@
 """Dense formats: no compression, and casts to 16-bit floats.
 
 ``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are all-reducible: like PyTorch's
-``fp16_compress_hook`` the engine divides by the world size before the 16-bit all-reduce, so the
+``fp16_compress_hook`` they cast every tensor of a bucket, small ones included (one all-reduce per
+bucket), and the engine divides by the world size before the 16-bit all-reduce, so the
 sum stays within range whenever each worker's value does; a gradient element beyond fp16's ±65504
 still overflows in the cast (prefer ``BF16``, with fp32's range, for such models).
 """
@@ -58,6 +59,12 @@ class _Cast(Compressor):
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0].to(out.dtype), alpha=alpha)
+
+    def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """Tensors below the strategy's size threshold are cast too, so that a bucket is one 16-bit
+        all-reduce (as PyTorch's ``fp16_compress_hook`` casts the whole bucket) instead of one per dtype:
+        a second collective per bucket costs more latency than the small tensors' bytes."""
+        return tensor.to(self.wire_dtype)
 
 
 class FP16(_Cast):

@@ -19,6 +19,11 @@ tensor on CPU). Three methods return the indices of the ``k`` largest ``|x_i|`` 
 * ``"exact"``: ``torch.topk`` over ``|x|``.
 
 The three choose the same set up to ties at the ``k``-th magnitude, so training is bit for bit the same.
+
+:func:`select_topk` also says whether the tensor was finite: the block peaks are maxima, and a maximum is
+NaN or infinite exactly when an element of its block is, so the check costs ``d/b`` elements instead of
+a pass over the tensor (the engine then skips its own check, see
+:attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.base import Finite, all_finite
+
 
 @dataclass(frozen=True)
 class Selection:
-    """The outcome of a selection: the chosen indices and how many elements passed the threshold."""
+    """The outcome of a selection: the chosen indices, how many elements passed the threshold, and
+    (where the selection found it) whether every element of the tensor was finite."""
 
     indices: Tensor
     candidates: int
+    finite: Optional[Finite] = None
 
 
 #: The selection methods, for the ``selection`` argument of Top-k and DGC.
@@ -58,6 +67,17 @@ def topk_indices(values: Tensor, k: int, selection: str = "blocks", generator: O
     if selection == "sampled":
         return sampled_topk(values.abs(), k, generator, sample_fraction=sample_fraction).indices
     return exact_topk(values.abs(), k)
+
+
+def select_topk(values: Tensor, k: int, selection: str = "blocks", generator: Optional[torch.Generator] = None,
+                sample_fraction: float = 0.01) -> Selection:
+    """:func:`topk_indices`, and whether every element of ``values`` is finite (:attr:`Selection.finite`,
+    as :func:`~lightning_gradcomp.compressors.base.all_finite` answers): from the block peaks where
+    ``"blocks"`` prunes, else by one reduction."""
+    if selection == "blocks":
+        return block_topk(values, k, report=True)
+    return Selection(topk_indices(values, k, selection, generator, sample_fraction), values.numel(),
+                     all_finite(values))
 
 
 def exact_topk(magnitude: Tensor, k: int) -> Tensor:
@@ -92,7 +112,7 @@ def _with_tail(values: Tensor, full: int, candidates: Tensor, positions: Tensor)
     return torch.cat([candidates, values[full:]]), torch.cat([positions, tail])
 
 
-def block_topk(values: Tensor, k: int, prune: Optional[bool] = None) -> Tensor:
+def block_topk(values: Tensor, k: int, prune: Optional[bool] = None, report: bool = False) -> "Tensor | Selection":
     """Indices of the ``k`` largest ``|values_i|`` (unsorted), chosen among the ``k`` blocks with the
     largest peaks and the tail (see the module's docstring for why the set is exact).
 
@@ -105,31 +125,61 @@ def block_topk(values: Tensor, k: int, prune: Optional[bool] = None) -> Tensor:
     ``prune`` (default: on CPU only) drops the candidates below the smallest kept peak before the last
     ``topk``; its size depends on the data, a host synchronisation on accelerators, where the last
     ``topk`` runs over all ``k·b`` candidates instead. Both give a top-``k`` set.
+
+    ``report=True`` returns a :class:`Selection` that also says whether ``values`` was finite, read
+    from the peaks and the tail.
     """
     numel = values.numel()
     block, contiguous = block_layout(k, numel)
     if k * block > numel // 4:
-        return exact_topk(values.abs(), k)
+        indices = exact_topk(values.abs(), k)
+        return Selection(indices, numel, all_finite(values)) if report else indices
     count = numel // block
     full = count * block
-    offsets = torch.arange(block, device=values.device)
     if contiguous:
         grid = values[:full].view(count, block)
-        top = torch.topk(peak_magnitudes(grid, 1), k, sorted=False)
+        peaks = peak_magnitudes(grid, 1)
+        top = torch.topk(peaks, k, sorted=False)
         candidates = grid.index_select(0, top.indices).view(-1)
-        positions = (top.indices.unsqueeze(1) * block + offsets).view(-1)
     else:
         grid = values[:full].view(block, count)
-        top = torch.topk(peak_magnitudes(grid, 0), k, sorted=False)
+        peaks = peak_magnitudes(grid, 0)
+        top = torch.topk(peaks, k, sorted=False)
         candidates = grid.index_select(1, top.indices).view(-1)
-        positions = (top.indices.unsqueeze(0) + offsets.unsqueeze(1) * count).view(-1)
-    candidates, positions = _with_tail(values, full, candidates, positions)
+
+    def position(flat: Tensor) -> Tensor:
+        """Where the candidates numbered ``flat`` lie in ``values``."""
+        if contiguous:  # candidates are the kept rows: (k, block)
+            return top.indices[flat // block] * block + flat % block
+        return top.indices[flat % k] + (flat // k) * count  # the kept columns: (block, k)
+
+    tail = values[full:]
+    candidates = torch.cat([candidates, tail]) if tail.numel() else candidates
     magnitude = candidates.abs().to(torch.float32)
+    chosen: Optional[Tensor] = None
     if values.device.type == "cpu" if prune is None else prune:
         passed = torch.nonzero(magnitude >= top.values.min()).view(-1)
         if passed.numel() >= k:  # always, unless the tensor holds NaN
-            positions, magnitude = positions.index_select(0, passed), magnitude.index_select(0, passed)
-    return positions[torch.topk(magnitude, k, sorted=False).indices]
+            chosen = passed[torch.topk(magnitude.index_select(0, passed), k, sorted=False).indices]
+    if chosen is None:
+        chosen = torch.topk(magnitude, k, sorted=False).indices
+    in_blocks = k * block
+    if tail.numel():
+        indices = torch.where(chosen < in_blocks, position(chosen.clamp(max=in_blocks - 1)), chosen - in_blocks + full)
+    else:
+        indices = position(chosen)
+    if not report:
+        return indices
+    return Selection(indices, numel, _peaks_finite(peaks, tail))
+
+
+def _peaks_finite(peaks: Tensor, tail: Tensor) -> Finite:
+    """Whether a tensor is finite, from its block peaks (a maximum is NaN or infinite exactly when an
+    element of its block is) and the elements after the last whole block."""
+    finite = torch.isfinite(peaks.amax())  # a NaN peak makes the maximum NaN
+    if tail.numel():
+        finite = finite & torch.isfinite(tail).all()
+    return bool(finite) if peaks.device.type == "cpu" else finite
 
 
 def threshold_indices(values: Tensor, threshold: float) -> Tensor:
@@ -138,17 +188,27 @@ def threshold_indices(values: Tensor, threshold: float) -> Tensor:
     Blocks of 64 consecutive elements whose peak is below the threshold are skipped: one read pass for
     the peaks, then work on the blocks that hold a selected element only (all of them, at worst).
     """
+    return select_threshold(values, threshold).indices
+
+
+def select_threshold(values: Tensor, threshold: float) -> Selection:
+    """:func:`threshold_indices`, and whether ``values`` was finite (read from the block peaks)."""
     numel = values.numel()
     count = numel // CONTIGUOUS_BLOCK
+    if count == 0:
+        return Selection(torch.nonzero(values.abs() >= threshold).view(-1), numel, all_finite(values))
     full = count * CONTIGUOUS_BLOCK
     grid = values[:full].view(count, CONTIGUOUS_BLOCK)
-    blocks = torch.nonzero(peak_magnitudes(grid, 1) >= threshold).view(-1)
+    peaks = peak_magnitudes(grid, 1)
+    finite = _peaks_finite(peaks, values[full:])
+    blocks = torch.nonzero(peaks >= threshold).view(-1)
     if blocks.numel() * 4 > count:  # dense: pruning would not pay
-        return torch.nonzero(values.abs() >= threshold).view(-1)
+        return Selection(torch.nonzero(values.abs() >= threshold).view(-1), numel, finite)
     offsets = torch.arange(CONTIGUOUS_BLOCK, device=values.device)
     candidates, positions = _with_tail(values, full, grid.index_select(0, blocks).view(-1),
                                        (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1))
-    return positions[torch.nonzero(candidates.abs() >= threshold).view(-1)]
+    indices = positions[torch.nonzero(candidates.abs() >= threshold).view(-1)]
+    return Selection(indices, indices.numel(), finite)
 
 
 def sampled_topk(

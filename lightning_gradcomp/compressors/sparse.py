@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.base import (
     check_density,
     sparse_count,
 )
-from lightning_gradcomp.compressors.selection import check_selection, threshold_indices, topk_indices
+from lightning_gradcomp.compressors.selection import check_selection, select_threshold, select_topk
 
 
 class _ValuesAndIndices(Compressor):
@@ -72,6 +72,7 @@ class TopK(HasDensity, _ValuesAndIndices):
     """
 
     name = "topk"
+    checks_finite = True  # from the block peaks (see selection.select_topk)
 
     def __init__(self, density: float = 0.01, selection: Literal["blocks", "exact", "sampled"] = "blocks") -> None:
         self.density = density
@@ -86,7 +87,9 @@ class TopK(HasDensity, _ValuesAndIndices):
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         k = sparse_count(self.density, tensor.numel())
         generator = ctx.generator(tensor.device, per_rank=True) if self.selection == "sampled" else None
-        return self._payload(tensor, topk_indices(tensor, k, self.selection, generator))
+        chosen = select_topk(tensor, k, self.selection, generator)
+        ctx.finite = chosen.finite
+        return self._payload(tensor, chosen.indices)
 
 
 class RandomK(HasDensity, _ValuesAndIndices):
@@ -168,6 +171,7 @@ class HardThreshold(_ValuesAndIndices):
     """
 
     name = "threshold"
+    checks_finite = True  # from the block peaks (see selection.select_threshold)
 
     def __init__(self, threshold: float = 1e-3) -> None:
         self.threshold = threshold
@@ -190,4 +194,6 @@ class HardThreshold(_ValuesAndIndices):
         return None
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        return self._payload(tensor, threshold_indices(tensor, self.threshold))
+        chosen = select_threshold(tensor, self.threshold)
+        ctx.finite = chosen.finite
+        return self._payload(tensor, chosen.indices)

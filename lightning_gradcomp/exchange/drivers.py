@@ -71,25 +71,16 @@ class TorchDriver(_ByteCounter):
     def run(self, protocol: BucketProtocol) -> Future:
         """Drive ``protocol`` (from :meth:`ExchangeEngine.bucket`); the future's value is its
         :class:`BucketReport`, set once the final round's results are decoded."""
-        try:
-            turn = next(protocol)
-        except StopIteration as stop:
-            return _completed(stop.value)
-        while not turn.final:
-            issued = [self._issue(collective) for collective in turn.collectives]
-            turn = protocol.send([self._wait(*item) for item in issued])
+        turn = self._to_final_round(protocol)
+        if not isinstance(turn, CollectiveRound):
+            return _completed(turn)
         issued = [self._issue(collective) for collective in turn.collectives]
 
         def finish(_: Any) -> BucketReport:
             # Waiting on each child future raises its error (a dead peer) instead of decoding garbage,
             # and, on CUDA, makes the current stream wait for the collective (collect_all carries no
             # stream events).
-            results = [self._wait(*item) for item in issued]
-            try:
-                protocol.send(results)
-            except StopIteration as stop:
-                return stop.value
-            raise RuntimeError("gradcomp: the exchange went on after its final round")
+            return _decode(protocol, [self._wait(*item) for item in issued])
 
         if not issued:
             return _completed(finish(None))
@@ -97,14 +88,23 @@ class TorchDriver(_ByteCounter):
 
     def drive(self, protocol: BucketProtocol) -> BucketReport:
         """Drive ``protocol`` to its end, waiting on every round (for an exchange thread)."""
-        results = None
-        while True:
-            try:
-                turn = protocol.send(results)
-            except StopIteration as stop:
-                return stop.value
-            issued = [self._issue(collective) for collective in turn.collectives]
-            results = [self._wait(*item) for item in issued]
+        turn = self._to_final_round(protocol)
+        if not isinstance(turn, CollectiveRound):
+            return turn
+        issued = [self._issue(collective) for collective in turn.collectives]
+        return _decode(protocol, [self._wait(*item) for item in issued])
+
+    def _to_final_round(self, protocol: BucketProtocol) -> "CollectiveRound | BucketReport":
+        """Run ``protocol`` through its intermediate rounds, waiting for each in the calling thread; its
+        final round (not yet issued), or its report if it ended without one."""
+        try:
+            turn = next(protocol)
+            while not turn.final:
+                issued = [self._issue(collective) for collective in turn.collectives]
+                turn = protocol.send([self._wait(*item) for item in issued])
+        except StopIteration as stop:
+            return stop.value
+        return turn
 
     def all_reduce(self, tensor: Tensor) -> None:
         """A dense, blocking all-reduce (sum, in place) on the group, counted like any other collective."""
@@ -215,6 +215,15 @@ class InProcessDriver:
             for worker_results in results:
                 worker_results.append(combined)
         return results
+
+
+def _decode(protocol: BucketProtocol, results: list[Tensor]) -> BucketReport:
+    """Hand the final round's results to ``protocol``, which decodes them and ends with its report."""
+    try:
+        protocol.send(results)
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("gradcomp: the exchange went on after its final round")
 
 
 def _completed(value: Any) -> Future:

@@ -19,7 +19,8 @@
   equal rows, row ``c`` holding every tensor's parts for worker ``c``.
 * Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
   order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
-* Non-finite gradients: one reduction per gradient; a one-element flag (0, or NaN when this worker's
+* Non-finite gradients: one reduction per gradient (or found by the compressor while it compresses, from
+  Top-k's block peaks); a one-element flag (0, or NaN when this worker's
   gradients of the bucket were not all finite) rides in the bucket's final round. When the summed flag
   is NaN, every worker's result for the bucket is NaN (as DDP's all-reduce would carry it) and no
   worker updates its memory for the bucket (see :class:`~lightning_gradcomp.pipeline.WorkerPipeline`).
@@ -110,13 +111,13 @@ class ExchangeEngine:
         """The exchange of one bucket (a generator run by a driver)."""
         entries = sorted(entries, key=lambda entry: entry.name)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        finite = [all_finite(entry.grad) for entry in entries]
-        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed, ok)
-                    for entry, ok in zip(entries, finite)]
+        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed,
+                                          self._finiteness(entry)) for entry in entries]
         protocols = [self._protocol(entry, ctx) for entry, ctx in zip(entries, contexts)]
         sent = [0] * len(entries)
         with self._clock(self.compress_clock, device):
             pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
+        finite = self._found_finite(contexts)
         # Protocols whose last round came before the bucket's final one wait with their results, so that
         # every tensor finishes (memory, decoding) once the bucket's finiteness flag is known.
         waiting: dict[int, list] = {}
@@ -151,8 +152,29 @@ class ExchangeEngine:
             bytes_dense=sum(entry.grad.numel() * entry.grad.element_size() for entry in entries),
         )
 
+    def _compressed(self, entry: Entry) -> bool:
+        return entry.grad.numel() >= self.min_compress_numel
+
+    def _finiteness(self, entry: Entry) -> Optional[Finite]:
+        """This worker's check of a gradient (one reduction), or ``None`` where the compressor finds it
+        while compressing (:attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`)."""
+        if self._compressed(entry) and self.pipeline.compressor.checks_finite:
+            return None
+        return all_finite(entry.grad)
+
+    def _found_finite(self, contexts: Sequence[CompressContext]) -> list[Finite]:
+        """Every tensor's finiteness once the protocols have compressed (before any round's results)."""
+        for ctx in contexts:
+            if ctx.finite is None:
+                raise RuntimeError(
+                    f"gradcomp: {type(self.pipeline.compressor).__name__} declares checks_finite but its compress did "
+                    f"not set ctx.finite for {ctx.name!r}"
+                )
+        self.pipeline.note_nonfinite(contexts)
+        return [ctx.finite for ctx in contexts]
+
     def _protocol(self, entry: Entry, ctx: CompressContext) -> Generator[Round, list, int]:
-        if entry.grad.numel() < self.min_compress_numel:
+        if not self._compressed(entry):
             return self.pipeline.dense_protocol(entry.grad, ctx, entry.out)
         return self.pipeline.protocol(entry.grad, ctx, entry.out)
 
