@@ -97,6 +97,7 @@ def test_the_engine_leaves_the_check_to_compressors_that_find_it_and_refuses_one
             ctx.finite = None
             return payload
 
+    assert COMPRESSORS["topk"] is TopK, "a subclass that does not name itself registers nothing"
     exchange = SimulatedExchange(Forgetful(0.01), workers=1, min_compress_numel=100)
     with pytest.raises(RuntimeError, match="declares checks_finite but its compress did not set ctx.finite for 'a.weight'"):
         exchange.add_worker(0, _grads(0, 0))  # the simulated worker compresses at once

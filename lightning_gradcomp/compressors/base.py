@@ -122,7 +122,7 @@ class Compressor(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if cls.__dict__.get("name"):  # its own name: a subclass that inherits one does not replace its parent
             COMPRESSORS[cls.name] = cls
 
     @property
