@@ -30,7 +30,3 @@ def scratch(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> T
         buffer = pool[(tag, dtype)] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
-
-def release() -> None:
-    """Drop this thread's scratch tensors (their memory goes back to the allocator)."""
-    _local.__dict__.pop("pool", None)

@@ -196,14 +196,16 @@ def select_threshold(values: Tensor, threshold: float) -> Selection:
     numel = values.numel()
     count = numel // CONTIGUOUS_BLOCK
     if count == 0:
-        return Selection(torch.nonzero(values.abs() >= threshold).view(-1), numel, all_finite(values))
+        indices = torch.nonzero(values.abs() >= threshold).view(-1)
+        return Selection(indices, indices.numel(), all_finite(values))
     full = count * CONTIGUOUS_BLOCK
     grid = values[:full].view(count, CONTIGUOUS_BLOCK)
     peaks = peak_magnitudes(grid, 1)
     finite = _peaks_finite(peaks, values[full:])
     blocks = torch.nonzero(peaks >= threshold).view(-1)
     if blocks.numel() * 4 > count:  # dense: pruning would not pay
-        return Selection(torch.nonzero(values.abs() >= threshold).view(-1), numel, finite)
+        indices = torch.nonzero(values.abs() >= threshold).view(-1)
+        return Selection(indices, indices.numel(), finite)
     offsets = torch.arange(CONTIGUOUS_BLOCK, device=values.device)
     candidates, positions = _with_tail(values, full, grid.index_select(0, blocks).view(-1),
                                        (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1))
