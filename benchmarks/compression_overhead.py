@@ -1,6 +1,7 @@
 """Compression overhead: one worker's whole per-tensor exchange, as a multiple of one memory pass.
 
     python benchmarks/compression_overhead.py [--sizes 1e6 1e7 2.5e7] [--repeats 7] [--threads 1]
+    python benchmarks/compression_overhead.py --device cuda --sizes 1e6 1e7 2.5e7 1e8   # the GPU mode
 
 For each compressor at its usual setting and each tensor size, the median time of everything one worker
 does for one gradient tensor in a step: the finiteness check, error feedback or the compressor's own
@@ -8,7 +9,10 @@ state (DGC's momentum and velocity), selection or quantisation, packing, decodin
 writing it into the gradient (the DDP bucket), run through the same engine as the DDP hook, with an
 in-process driver for one worker (the collective is an in-process copy of the payload; no network).
 The time is divided by the median time of one copy of the tensor (a "pass"), measured in the same run,
-so the figures compare across machines. Bytes and ratio are those handed to the collective. The column
+so the figures compare across machines; "÷ copy bandwidth" is its inverse, the exchange's throughput as
+a fraction of the device's copy bandwidth (1 would be as fast as one copy). On a GPU the times are wall
+times of the whole call (kernel launches included), synchronised before and after. Bytes and ratio are
+those handed to the collective. The column
 "compress alone" is ``compressor.compress`` by itself, in passes: selection and payload for the
 sparsifiers (with DGC's state update), quantise + pack for QSGD; "-" for multi-round methods (PowerSGD).
 """
@@ -22,7 +26,23 @@ from typing import Optional
 import torch
 
 from _timing import median_seconds, memory_pass_seconds, print_table
-from lightning_gradcomp.compressors import DGC, FP16, QSGD, HardThreshold, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import (
+    BF16,
+    DGC,
+    FP16,
+    QSGD,
+    EFSignSGD,
+    FP8AllReduce,
+    HardThreshold,
+    Int4AllReduce,
+    Int8AllReduce,
+    NoCompression,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
@@ -43,6 +63,14 @@ def compressors(x: torch.Tensor) -> dict[str, object]:
         "qsgd s=16": lambda: QSGD(levels=16),
         "qsgd s=4": lambda: QSGD(levels=4),
         "powersgd r=2": lambda: PowerSGD(rank=2),
+        "none": lambda: NoCompression(),
+        "bf16": lambda: BF16(),
+        "terngrad": lambda: TernGrad(),
+        "signsgd (Signum)": lambda: SignSGD(momentum=0.9),
+        "efsignsgd": lambda: EFSignSGD(),
+        "int8 all-reduce": lambda: Int8AllReduce(),
+        "fp8 all-reduce": lambda: FP8AllReduce(),
+        "int4 all-reduce": lambda: Int4AllReduce(),
     }
     built = {}
     for name, make in candidates.items():
@@ -112,10 +140,11 @@ def main() -> None:
         for name, compressor in compressors(x).items():
             seconds, nbytes = exchange_seconds(compressor, x, shape, args.repeats)
             alone = compress_seconds(compressor, x, args.repeats)
-            rows.append([name, f"{seconds * 1e3:.1f}", f"{seconds / unit:.1f}",
+            rows.append([name, f"{seconds * 1e3:.2f}", f"{seconds / unit:.1f}", f"{unit / seconds:.2f}",
                          "-" if alone is None else f"{alone / unit:.1f}", f"{nbytes:,}", f"{4 * n / max(nbytes, 1):.0f}x"])
         print(f"\n{n / 1e6:g}M elements as {shape} (one copy: {unit * 1e3:.2f} ms)\n")
-        print_table(["compressor", "exchange (ms)", "passes (÷ copy)", "compress alone (÷ copy)", "bytes handed over",
+        print_table(["compressor", "exchange (ms)", "passes (÷ copy)", "÷ copy bandwidth", "compress alone (÷ copy)",
+                     "bytes handed over",
                      "ratio"], rows)
 
 

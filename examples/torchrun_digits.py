@@ -53,7 +53,8 @@ def main() -> None:
 
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
-        checkpoint = torch.load(args.checkpoint, map_location=device, weights_only=True)
+        # on the CPU: every rank reads every rank's residuals, and keeps (on its device) only its own
+        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         model.module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         gradcomp.load_state_dict(checkpoint["gradcomp"])  # this rank's residuals and compressor state

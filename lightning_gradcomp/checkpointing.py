@@ -33,8 +33,10 @@ def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], l
 def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Optional[dict[str, Any]]:
     """Collective over the hook state's ``checkpoint_group`` (the exchange's group; the whole world in
     hierarchical mode): every rank's state, packed on the group's first rank (``None`` on the others).
-    Every rank of the group must call it."""
-    group = hook_state.checkpoint_group
+    Every rank of the group must call it. The states (CPU copies) travel over a gloo group of the same
+    ranks (:meth:`~lightning_gradcomp.hook.GradCompHookState.gather_group`): an NCCL gather of objects
+    would stage every rank's pickled state in the first rank's GPU memory."""
+    group = hook_state.gather_group()
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     destination = dist.get_global_rank(group, 0) if group is not None else 0

@@ -7,8 +7,9 @@
     ...
     loss.backward()          # buckets are exchanged compressed
     gradcomp.step_stats      # this step's bytes, ratio, density
-    torch.save({"model": ddp.module.state_dict(), "gradcomp": gradcomp.state_dict()}, path)   # every rank calls
-    gradcomp.load_state_dict(torch.load(path)["gradcomp"])                                 # on resume
+    entry = gradcomp.state_dict()                        # every rank calls; the entry on rank 0, None elsewhere
+    if rank == 0: torch.save({"model": ddp.module.state_dict(), "gradcomp": entry}, path)
+    gradcomp.load_state_dict(torch.load(path, map_location="cpu")["gradcomp"])       # every rank, on resume
 
 The hook, the exchange engine and the checkpoint format are those of the Lightning strategies.
 """
@@ -43,41 +44,30 @@ class GradCompHandle:
         self.hook_state = hook_state
         self.compressor = compressor
         self.device = device
-        self._taken_step = hook_state.step
-        self._last = StepStats()
 
     # ------------------------------------------------------------------ the hook's entry point
     def exchange(self, bucket: dist.GradBucket) -> Future:
-        """Called by DDP through :func:`~lightning_gradcomp.hook.gradcomp_hook` for every bucket; the
-        first bucket of a step closes the figures of the step before."""
-        self._close_finished_step()
+        """Called by DDP through :func:`~lightning_gradcomp.hook.gradcomp_hook` for every bucket (the
+        first bucket of a step closes the figures of the step before, without waiting for the device)."""
         return self.hook_state.exchange(bucket)
-
-    def _close_finished_step(self) -> None:
-        # The hook state counts a step when its last bucket is issued; once backward has returned, every
-        # bucket of that step has been exchanged and accounted.
-        if self.hook_state.step > self._taken_step:
-            self._last = self.hook_state.take_step_stats()
-            self._taken_step = self.hook_state.step
 
     # ------------------------------------------------------------------ figures
     @property
     def step_stats(self) -> StepStats:
         """The figures of the latest completed backward pass (bytes handed to ``torch.distributed``,
-        dense bytes, ratio, density); read it after ``backward()``."""
-        self._close_finished_step()
-        return self._last
+        dense bytes, ratio, density; with telemetry the measured error and time, read from the device
+        now); read it after ``backward()``."""
+        return self.hook_state.last_step_stats
 
     @property
     def totals(self) -> StepStats:
         """Running totals of every completed step (part of :meth:`state_dict`)."""
-        self._close_finished_step()
+        self.hook_state.last_step_stats  # closes the step that ended, if any
         return self.hook_state.totals
 
     def summary(self, network: Optional[Network] = None) -> str:
         """The end-of-training table (averaged over ranks; every rank must call it). With ``network``,
         the estimated communication time of the run next to dense DDP's."""
-        self._close_finished_step()
         group = self.hook_state.driver.group
 
         def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -91,19 +81,25 @@ class GradCompHandle:
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Every rank's residuals, compressor state, step and totals, gathered on rank 0 in the format of
         the Lightning checkpoints' ``checkpoint["gradcomp"]``; ``None`` on the other ranks. A
-        collective: every rank must call it (then save on rank 0)."""
-        self._close_finished_step()
+        collective: every rank must call it (then save on rank 0). Gathered in host memory (over gloo),
+        never on a GPU."""
         return gather_entry(self.hook_state, self.compressor)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's part of a :meth:`state_dict` (every rank loads the same entry). A run with
-        another number of workers or another compressor keeps only the step counter and the totals,
-        with a warning."""
+        """Restore this rank's part of a :meth:`state_dict`: every rank loads the same entry, the one
+        rank 0's :meth:`state_dict` returned and saved (load it with ``map_location="cpu"``; each rank
+        moves only its own part to its device). A run with another number of workers or another
+        compressor keeps only the step counter and the totals, with a warning."""
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"`state` must be the dict that state_dict() returned on rank 0, got {type(state).__name__}: "
+                "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
+                "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])"
+            )
         workers = dist.get_world_size(self.hook_state.driver.group)
         rank = dist.get_rank(self.hook_state.driver.group)
         restore_entry(state, self.hook_state, workers, self.compressor,
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
-        self._taken_step = self.hook_state.step
 
     def close(self) -> None:
         """Stop the exchange thread, if one runs."""
@@ -136,12 +132,25 @@ def register(
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"`ddp_model` must be a torch.nn.parallel.DistributedDataParallel, got "
                          f"{type(ddp_model).__name__}; wrap the model first: DistributedDataParallel(model)")
+    check_reducer(ddp_model)
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+    device = next(ddp_model.module.parameters()).device
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
                                    min_compress_numel=min_compress_numel, seed=seed,
-                                   group=ddp_model.process_group, exchange_thread=exchange_thread)
+                                   group=ddp_model.process_group, exchange_thread=exchange_thread, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
-    device = next(ddp_model.module.parameters()).device
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     return handle
+
+
+def check_reducer(ddp_model: DistributedDataParallel) -> None:
+    """Refuse compiled autograd's Python reducer (``torch._dynamo.config.optimize_ddp="python_reducer"``):
+    it calls communication hooks with one ``(gradient, parameter)`` pair at a time and ignores their
+    result, so no compressed bucket exchange can run."""
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise ValueError(
+            "gradcomp: torch._dynamo.config.optimize_ddp='python_reducer' (compiled autograd's Python reducer) calls "
+            "communication hooks per parameter and ignores their result; allowed: optimize_ddp='ddp_optimizer' (the "
+            "default) or True/False, set before the model is wrapped in DistributedDataParallel"
+        )

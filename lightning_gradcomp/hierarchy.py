@@ -111,21 +111,26 @@ class HierarchicalHookState(GradCompHookState):
         return self.intra.rank
 
     def exchange(self, bucket: dist.GradBucket) -> Future:
-        """Dense inside the node, compressed between nodes (this rank's share), dense inside the node."""
+        """Dense inside the node, compressed between nodes (this rank's share), dense inside the node
+        (on CUDA on the exchange stream, as the flat mode)."""
+        self._close_step()
         buffer = bucket.buffer()
+        device = buffer.device
         entries = self.entries(bucket)
-        self.intra.all_reduce(buffer)
-        buffer.div_(self.local_size)
-        shares = partition(entries, [entry.grad.numel() for entry in entries], self.local_size)
-        report = self.driver.run(self._start(bucket, shares[self.local_rank])).wait()
-        for share, entries_of_share in enumerate(shares):
-            if share != self.local_rank:
-                for entry in entries_of_share:
-                    entry.grad.zero_()
-        self.intra.all_reduce(buffer)
-        self._account(replace(report, bytes_dense=buffer.numel() * buffer.element_size()))
-        done: Future = Future()
-        done.set_result(buffer)
+        with self.streams.entered(device):
+            self.intra.all_reduce(buffer)
+            buffer.div_(self.local_size)
+            shares = partition(entries, [entry.grad.numel() for entry in entries], self.local_size)
+            protocol = self._start(bucket, shares[self.local_rank])
+            report = self.driver.run(protocol, device=device, stream=self.streams.get(device)).wait()
+            for share, entries_of_share in enumerate(shares):
+                if share != self.local_rank:
+                    for entry in entries_of_share:
+                        entry.grad.zero_()
+            self.intra.all_reduce(buffer)
+            self._account(replace(report, bytes_dense=buffer.numel() * buffer.element_size()))
+            done: Future = Future(devices=[device]) if device.type == "cuda" else Future()
+            done.set_result(buffer)
         return done
 
     def _take_collective_log(self) -> list[tuple[str, int]]:

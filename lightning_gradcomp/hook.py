@@ -22,7 +22,7 @@ from lightning_gradcomp.compressors.base import Compressor, check_bool
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
-from lightning_gradcomp.exchange.thread import ExchangeThread
+from lightning_gradcomp.exchange.thread import ExchangeStreams, ExchangeThread, exchange_group, group_timeout
 from lightning_gradcomp.memory import CompressionMemory
 from lightning_gradcomp.options import exchange_options
 from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
@@ -46,13 +46,24 @@ class GradCompHookState:
             compression and every round of communication overlap the rest of backward; ``False`` runs
             them in the hook (the last round's decoding in a future's callback); ``None`` (default): the
             thread for CUDA buckets, the hook for CPU ones (on a CPU the thread competes with backward
-            for the same cores; see docs/benchmarks.md).
+            for the same cores; see docs/benchmarks.md). The thread's collectives use a process group of
+            their own, created here (every rank of ``group`` must construct its state at the same point).
+        device: the gradients' device, where known, to decide ``exchange_thread=None`` now (default:
+            CUDA when available).
+
+    On CUDA every exchange runs on a stream of its own, in the hook or on the thread (see
+    :mod:`lightning_gradcomp.exchange.thread`), and nothing inside the hook waits for the device.
+
+    A step's figures are closed when the next step's first bucket arrives, if nobody took them before
+    (:meth:`take_step_stats`), so a raw hook keeps no more than one step of them.
 
     Attributes:
         telemetry: measure compression error and time (set by
             :class:`~lightning_gradcomp.callbacks.CompressionMonitor`); off, the hook does no extra work.
+        telemetry_due: whether :meth:`take_step_stats` brings the measured figures to the host (one host
+            synchronisation on accelerators); the monitor sets it on the steps it logs. Unread figures
+            are kept on the device and reach :attr:`totals` at the next read.
         record_layers: also keep per-parameter figures for the current step.
-        totals: running totals of every step's figures; part of the checkpoint.
         tally: every collective issued so far, counted by kind and size (for the summary's time
             estimate); part of the checkpoint.
     """
@@ -66,6 +77,7 @@ class GradCompHookState:
         seed: int = 0,
         group: Optional[dist.ProcessGroup] = None,
         exchange_thread: Optional[bool] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
         if not isinstance(param_names, dict) or not all(isinstance(n, str) for n in param_names.values()):
@@ -79,18 +91,26 @@ class GradCompHookState:
         if exchange_thread is not None:
             check_bool(exchange_thread, "exchange_thread")
         self.exchange_thread = exchange_thread
+        self.streams = ExchangeStreams()
         self.thread: Optional[ExchangeThread] = None
+        self._thread_driver: Optional[TorchDriver] = None
+        if self._may_use_thread(device):
+            self._thread_driver = TorchDriver(exchange_group(group))
         _LIVE_STATES.add(self)
         _register_exit_cleanup()
         self.step = 0
         self.hook_calls = 0
         self.record_layers = False
-        self.totals = StepStats()
+        self.telemetry_due = True
+        self._totals = StepStats()
         self.tally = CollectiveTally()
         #: how the workers exchange (checkpoints record it; residuals are kept only under the same layout)
         self.layout = "flat"
         self._stats = StepStats()
+        self._last = StepStats()
+        self._closed_step = 0
         self._lock = threading.Lock()
+        self._cpu_group: Optional[dist.ProcessGroup] = None
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -129,25 +149,83 @@ class GradCompHookState:
         self.pipeline.compressor = compressor if compressor is not None else NoCompression()
 
     # ------------------------------------------------------------------ accounting
+    @property
+    def totals(self) -> StepStats:
+        """Running totals of every closed step's figures (measured figures read from the device first);
+        part of the checkpoint."""
+        self._read_measurements()
+        return self._totals
+
+    @totals.setter
+    def totals(self, value: StepStats) -> None:
+        self._totals = value
+
     def take_step_stats(self) -> StepStats:
-        """The figures accumulated since the last call (one optimizer step), added to :attr:`totals`."""
+        """The figures of the step that ended since the last call (its last bucket was handed to the
+        hook; empty if none did), added to :attr:`totals`; with :attr:`telemetry_due`, its measured
+        figures read from the device. Call it after the optimizer step (outside the hook)."""
+        closed = self._close_step()
+        if self.telemetry_due:
+            self._read_measurements()
+        return self._last if closed else StepStats()
+
+    @property
+    def last_step_stats(self) -> StepStats:
+        """The figures of the step closed last, with its measured figures (read outside the hook)."""
+        self._close_step()
+        self._read_measurements()
+        return self._last
+
+    def _close_step(self) -> bool:
+        """Close the figures of a step whose buckets were all handed over, without waiting for the
+        device: bytes, collectives, non-finite warnings whose flags reached the host, and the
+        measurements folded into device-side sums. Whether a step was closed."""
+        self._warn(self.pipeline.nonfinite.take())
+        if self.step == self._closed_step:
+            return False
+        self._closed_step = self.step
         with self._lock:
             stats, self._stats = self._stats, StepStats()
-        warn_nonfinite(self.pipeline.take_nonfinite(), self.driver.rank, self.step)
         stats.collectives = self._take_collective_log()
         # collectives inside a node (hierarchical mode, logged as node:*) do not cross the network: not counted
         stats.bytes_sent = sum(nbytes for kind, nbytes in stats.collectives if not kind.startswith("node:"))
-        if self.telemetry:
-            self.pipeline.recorder.resolve(stats, per_layer=self.record_layers)
-            stats.compress_s = self.engine.compress_clock.take()
-            stats.decompress_s = self.engine.decompress_clock.take()
+        if self.telemetry or self.pipeline.recorder.unread:
+            self.pipeline.recorder.close_step(keep_layers=self.record_layers)
+            self.engine.compress_clock.close_step()
+            self.engine.decompress_clock.close_step()
         stats.steps = 1 if stats.buckets else 0
-        self.totals.add(stats)
+        self._totals.add(stats)
         self.tally.add(stats)
-        return stats
+        self._last = stats
+        return True
+
+    def _read_measurements(self) -> None:
+        """Bring the measured figures of every closed step to the host (one synchronisation): the last
+        step's into its stats, all of them into the totals."""
+        recorder = self.pipeline.recorder
+        clocks = (self.engine.compress_clock, self.engine.decompress_clock)
+        if not recorder.unread and not any(clock.unread for clock in clocks):
+            return
+        recorder.read(self._last, self._totals)
+        for clock, field in zip(clocks, ("compress_s", "decompress_s")):
+            earlier, last = clock.read()
+            setattr(self._last, field, getattr(self._last, field) + last)
+            setattr(self._totals, field, getattr(self._totals, field) + earlier + last)
+
+    def flush_nonfinite(self) -> None:
+        """Wait for every non-finite flag still in flight and warn (at teardown)."""
+        self._warn(self.pipeline.nonfinite.take(block=True))
+
+    def _warn(self, found: list[tuple[int, list[str]]]) -> None:
+        if found:
+            rank = self.driver.rank if dist.is_initialized() else -1
+            warn_nonfinite(found, rank)
 
     def _take_collective_log(self) -> list[tuple[str, int]]:
-        return self.driver.take_log()
+        log = self.driver.take_log()
+        if self._thread_driver is not None:
+            log += self._thread_driver.take_log()
+        return log
 
     def _account(self, report: BucketReport) -> None:
         with self._lock:
@@ -157,30 +235,61 @@ class GradCompHookState:
             self._stats.buckets += 1
 
     def state_dict(self) -> dict[str, Any]:
+        self._close_step()
         return {"step": self.step, "memory": self.memory.state_dict(), "totals": self.totals.state_dict(),
                 "collectives": self.tally.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
-        self.step = int(state["step"])
-        self.memory.load_state_dict(state["memory"], device)
-        self.totals = StepStats.from_state_dict(state.get("totals", {}))
+        """Restore a :meth:`state_dict` (``device``: where the memory goes). On CUDA the tensors are
+        created on the exchange stream, which later reads and frees them."""
+        self.step = self._closed_step = int(state["step"])
+        with self.streams.entered(torch.device(device)):
+            self.memory.load_state_dict(state["memory"], device)
+        self._totals = StepStats.from_state_dict(state.get("totals", {}))
         self.tally = CollectiveTally.from_state_dict(state.get("collectives"))
+
+    def gather_group(self) -> Optional[dist.ProcessGroup]:
+        """The group that gathers checkpoint entries: :attr:`checkpoint_group`, or a gloo group of the
+        same ranks when that one is not gloo (so that nothing is gathered in GPU memory). Created at
+        the first call; every rank of the group calls it at the same point (a checkpoint save)."""
+        group = self.checkpoint_group
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            return group
+        if self._cpu_group is None:
+            world = group is None or group is dist.group.WORLD
+            ranks = None if world else dist.get_process_group_ranks(group)
+            self._cpu_group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(group),
+                                             use_local_synchronization=not world)
+        return self._cpu_group
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, bucket: dist.GradBucket) -> Future:
         """Exchange one bucket; the future's value is the bucket's buffer holding the average."""
+        if isinstance(bucket, tuple):
+            raise RuntimeError(
+                "gradcomp: DDP called the hook with a (gradient, parameter) pair: compiled autograd's Python "
+                "reducer (torch._dynamo.config.optimize_ddp='python_reducer') is not supported; allowed: "
+                "optimize_ddp='ddp_optimizer' (the default) or no torch.compile of backward"
+            )
+        self._close_step()
         buffer = bucket.buffer()
+        device = buffer.device
         protocol = self._start(bucket, self.entries(bucket))
 
         def finish(report: BucketReport) -> torch.Tensor:
             self._account(report)
             return buffer
 
-        if self._use_thread(buffer.device):
+        if self._use_thread(device):
             if self.thread is None:
-                self.thread = ExchangeThread(self.driver)
-            return self.thread.submit(protocol, buffer.device, finish)
-        return self.driver.run(protocol).then(lambda done: finish(done.value()))
+                if self._thread_driver is None:  # exchange_thread=None, device not known at construction
+                    raise RuntimeError(
+                        "gradcomp: the exchange thread needs its process group, created with the hook state; pass "
+                        "`device=` (or exchange_thread=True) to GradCompHookState so that it is created up front")
+                self.thread = ExchangeThread(self._thread_driver, self.streams)
+            return self.thread.submit(protocol, device, finish)
+        with self.streams.entered(device):
+            return self.driver.run(protocol, finish, device, self.streams.get(device))
 
     def entries(self, bucket: dist.GradBucket) -> list[Entry]:
         """The bucket's parameters: each gradient's view, which also receives its aggregate."""
@@ -196,13 +305,20 @@ class GradCompHookState:
             self.step += 1
         return protocol
 
+    def _may_use_thread(self, device: Optional[torch.device]) -> bool:
+        if self.exchange_thread is not None:
+            return self.exchange_thread
+        return device.type == "cuda" if device is not None else torch.cuda.is_available()
+
     def _use_thread(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.exchange_thread is None else self.exchange_thread
 
     def close(self) -> None:
-        """Stop the exchange thread, if any (the strategy calls it at teardown)."""
+        """Stop the exchange thread, if any, and report non-finite gradients still in flight (the
+        strategy calls it at teardown)."""
         if self.thread is not None:
             self.thread.close()
+        self.flush_nonfinite()
 
     def _name(self, param: torch.Tensor) -> str:
         name = self.param_names.get(id(param))

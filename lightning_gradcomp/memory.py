@@ -9,6 +9,11 @@ Error feedback (Seide et al. 2014; Stich et al. 2018; 000 §3.1.1; 003 Alg. 1)::
 so that ``C(p_t) + e_{t+1} == p_t``. For sparsifiers the invariant holds bit for bit: the residual is
 ``p_t`` with the sent coordinates set to exactly zero.
 
+Residuals are kept in fp32 (fp64 for fp64 gradients) whatever the gradient's dtype
+(:func:`~lightning_gradcomp.compressors.device.state_dtype`): with bf16 or fp16 parameters a small
+gradient added to a larger residual would otherwise round away, and error feedback would stop
+delivering it. ``p_t`` is formed in that dtype; only what the compressor sends is cast.
+
 Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
 first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
 a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
@@ -30,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Finite, keep_if_finite
+from lightning_gradcomp.compressors.device import state_dtype
 
 
 class CompressionMemory:
@@ -41,14 +47,16 @@ class CompressionMemory:
         self._spares: dict[str, Tensor] = {}  # CPU only: next step's buffer for p (see the module docstring)
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
-        """``p = g + e`` in a tensor of its own (a kept buffer on CPU); ``grad`` and ``e`` are not modified."""
+        """``p = g + e`` in a tensor of its own (a kept buffer on CPU), in fp32 (fp64 for fp64
+        gradients); ``grad`` and ``e`` are not modified."""
         residual = self.residuals.get(name)
         spare = self._spares.pop(name, None)
-        if spare is None or spare.shape != grad.shape or spare.dtype != grad.dtype or spare.device != grad.device:
-            spare = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dtype = state_dtype(grad.dtype)
+        if spare is None or spare.shape != grad.shape or spare.dtype != dtype or spare.device != grad.device:
+            spare = torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)
         if residual is None or residual.shape != grad.shape:
             return spare.copy_(grad)
-        return torch.add(grad, residual, out=spare)
+        return torch.add(residual, grad, out=spare)
 
     def update(self, name: str, corrected: Tensor, subtract: Callable[[Tensor], None], finite: Finite = True
                ) -> Optional[Tensor]:

@@ -8,7 +8,9 @@ the write of the aggregated result.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
+from collections import deque
 from typing import Any, Generator, Optional
 
 import torch
@@ -41,17 +43,20 @@ def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: li
     """Refuse, before the first step, settings that would silently train something else.
 
     * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's);
-    * fp16 mixed precision with memory (error feedback or DGC's state): the hook sees gradients times a
-      loss scale that GradScaler changes and whose overflow steps it skips, so the memory would be kept
-      at stale scales and advanced on skipped steps.
+    * fp16 mixed precision with memory (error feedback, or state a compressor keeps across steps:
+      DGC's velocity, Signum's momentum, the quantised all-reduce's owner residual): the hook sees
+      gradients times a loss scale that GradScaler changes and whose overflow steps it skips, so the
+      memory would be kept at stale scales and advanced on skipped steps.
     """
     for optimizer in optimizers:
         compressor.check_optimizer(optimizer)
-    if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.owns_residual):
+    if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.keeps_state):
+        memory = "error feedback" if error_feedback else "the state it keeps across steps"
         raise ValueError(
-            f"precision='16-mixed' scales gradients by a changing loss scale, which the memory of "
-            f"{type(compressor).__name__} (error feedback or DGC state) would keep at stale scales; "
-            "allowed: precision='bf16-mixed', '32-true' or '64-true', or a compressor without memory"
+            f"precision='16-mixed' scales gradients by a changing loss scale, which {type(compressor).__name__}'s "
+            f"memory ({memory}) would keep at stale scales; allowed: precision='bf16-mixed', 'bf16-true', "
+            "'32-true' or '64-true', or a compressor without memory (error_feedback=False, and no DGC, Signum "
+            "momentum or owner_error_feedback)"
         )
 
 
@@ -67,7 +72,11 @@ class WorkerPipeline:
     and no compression error is recorded. The worker that saw the values also leaves the state a
     compressor updates while compressing (DGC's momentum and velocity) of that parameter unchanged (on
     the other workers it advances), and names the parameters in a warning at the end of the step
-    (:meth:`take_nonfinite`).
+    (:attr:`nonfinite`; on accelerators once the flags have reached the host, see
+    :class:`NonfiniteWatch`).
+
+    Residuals and compressor state are fp32 whatever the gradient's dtype (fp64 for fp64); what crosses
+    the wire is cast to the gradient's dtype (:attr:`CompressContext.dtype`).
 
     Args:
         compressor: shared by all workers (it holds hyper-parameters only).
@@ -81,11 +90,12 @@ class WorkerPipeline:
         self.memory = CompressionMemory()
         self.recorder = recorder if recorder is not None else StepRecorder()
         self.telemetry = False
-        self._nonfinite: list[tuple[str, Finite]] = []
+        self.nonfinite = NonfiniteWatch()
 
     def context(self, name: str, shape: tuple[int, ...], step: int, rank: int, world_size: int, seed: int,
-                finite: Finite = True) -> CompressContext:
-        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape), finite)
+                finite: Optional[Finite] = True, dtype: Optional[torch.dtype] = None) -> CompressContext:
+        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape), finite,
+                               dtype)
 
     def dense_protocol(self, view: Tensor, ctx: CompressContext,
                        out: Optional[Tensor]) -> Generator[Round, list, int]:
@@ -122,16 +132,10 @@ class WorkerPipeline:
             outcome.write(out)
         return outcome.count
 
-    def take_nonfinite(self) -> list[str]:
-        """Names of the parameters whose gradient was not finite since the last call (on accelerators
-        this reads the flags back from the device: call it after the step)."""
-        entries, self._nonfinite = self._nonfinite, []
-        return [name for name, finite in entries if finite is False or (isinstance(finite, Tensor) and not bool(finite))]
-
     def note_nonfinite(self, contexts: list[CompressContext]) -> None:
         """Remember the parameters whose gradient this worker found not finite (or may have, on
-        accelerators), for :meth:`take_nonfinite`; the engine calls it once per bucket."""
-        self._nonfinite.extend((ctx.name, ctx.finite) for ctx in contexts if ctx.finite is not True)
+        accelerators), for :attr:`nonfinite`; the engine calls it once per bucket."""
+        self.nonfinite.note(contexts)
 
     def _remember(self, ctx: CompressContext, corrected: Tensor, outcome: Outcome) -> None:
         """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""
@@ -141,11 +145,81 @@ class WorkerPipeline:
             self.recorder.add(ctx.name, squared_norm(residual), input_sq, outcome.count, corrected.numel(), ctx.finite)
 
 
-def warn_nonfinite(names: list[str], rank: int, step: int) -> None:
-    """The warning of a worker that saw non-finite gradients (see :class:`WorkerPipeline`)."""
-    if names:
+class NonfiniteWatch:
+    """The parameters whose gradient this worker found not finite, reported without waiting for the device.
+
+    Flags are Python bools where the host may read them (CPU) and 0-d device tensors elsewhere. Per
+    bucket the tensor flags are stacked into one tensor and copied to pinned host memory without
+    blocking (one small copy and an event, no host synchronisation); :meth:`take` reads the copies that
+    have arrived and leaves the others for a later call, so a warning may come a step late on a GPU but
+    the hook never waits for one. Entries are bounded: past :attr:`LIMIT` buckets in flight the oldest
+    is waited for.
+    """
+
+    #: Buckets whose flags may be in flight at once before :meth:`note` waits for the oldest.
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        self._known: list[tuple[int, str]] = []
+        self._pending: "deque[tuple[int, list[str], Tensor, Optional[torch.cuda.Event]]]" = deque()
+
+    def note(self, contexts: list[CompressContext]) -> None:
+        """Record one bucket's flags (``ctx.finite`` of each of its tensors)."""
+        unsure = []
+        for ctx in contexts:
+            if ctx.finite is False:
+                self._known.append((ctx.step, ctx.name))
+            elif isinstance(ctx.finite, Tensor):
+                unsure.append(ctx)
+        if not unsure:
+            return
+        not_finite = torch.stack([ctx.finite.reshape(()) for ctx in unsure]).logical_not_()
+        on_cuda = not_finite.device.type == "cuda"
+        host = torch.empty(not_finite.shape, dtype=torch.bool, pin_memory=on_cuda)
+        host.copy_(not_finite, non_blocking=on_cuda)
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(not_finite.device))
+        self._pending.append((unsure[0].step, [ctx.name for ctx in unsure], host, event))
+        if len(self._pending) > self.LIMIT:
+            found = self._read(self._pending.popleft(), wait=True)
+            if found[1]:
+                self._known.extend((found[0], name) for name in found[1])
+
+    def take(self, block: bool = False) -> list[tuple[int, list[str]]]:
+        """``(step, names)`` of the non-finite gradients found since the last call, by step. Device flags
+        whose copy has not arrived stay for a later call (``block=True``: wait for them)."""
+        found: dict[int, list[str]] = {}
+        for step, name in self._known:
+            found.setdefault(step, []).append(name)
+        self._known = []
+        while self._pending:
+            event = self._pending[0][3]
+            if not block and event is not None and not event.query():
+                break
+            step, names = self._read(self._pending.popleft(), wait=block)
+            if names:
+                found.setdefault(step, []).extend(names)
+        return sorted(found.items())
+
+    @staticmethod
+    def _read(entry: tuple[int, list[str], Tensor, Any], wait: bool) -> tuple[int, list[str]]:
+        """The names flagged in one bucket's host copy (its bytes, read straight from host memory: the
+        copy has arrived, nothing is dispatched to the device)."""
+        step, names, host, event = entry
+        if event is not None and wait:
+            event.synchronize()
+        flags = ctypes.string_at(host.data_ptr(), host.numel())
+        return step, [name for name, bad in zip(names, flags) if bad]
+
+
+def warn_nonfinite(found: list[tuple[int, list[str]]], rank: int) -> None:
+    """The warnings of a worker that saw non-finite gradients, one per step (``(step, names)`` from
+    :meth:`NonfiniteWatch.take`; steps counted from 1)."""
+    for step, names in found:
         warnings.warn(
-            f"gradcomp: non-finite gradient (NaN or Inf) on rank {rank} at step {step} in {', '.join(names)}: the "
+            f"gradcomp: non-finite gradient (NaN or Inf) on rank {rank} at step {step + 1} in {', '.join(names)}: the "
             "exchanged gradients of their buckets are NaN on every rank (AMP's GradScaler skips such a step on every "
             "rank), and this rank's compression memory for them is unchanged",
             RuntimeWarning,

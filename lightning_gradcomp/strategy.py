@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, gather_entry
 from lightning_gradcomp.compressors.base import Compressor, check_bool
+from lightning_gradcomp.handle import check_reducer
 from lightning_gradcomp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.options import (
@@ -175,6 +176,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         assert self.lightning_module is not None
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        check_reducer(self.model)
         options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
                    "seed": self.seed, "exchange_thread": self.exchange_thread}
         if self.hierarchy == "node":
@@ -185,7 +187,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             self.hook_state = HierarchicalHookState(self.compressor, names, intra_group=intra, cross_group=cross,
                                                     **options)
         else:
-            self.hook_state = GradCompHookState(self.compressor, names, **options)
+            self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device, **options)
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 

@@ -1,7 +1,10 @@
 """What the hook measures while telemetry is on: compression error per parameter, and time spent.
 
-Everything stays on the device until the step ends (no synchronisation inside the hook); then
-:meth:`StepRecorder.resolve` turns it into numbers once.
+Everything stays on the device while steps go by: at the end of a step :meth:`StepRecorder.close_step`
+and :meth:`Stopwatch.close_step` fold the step's figures into device-side sums (no host
+synchronisation), and only :meth:`StepRecorder.read` and :meth:`Stopwatch.read`, called when the
+figures are wanted (a logging step, a summary, a checkpoint), bring them to the host, once for every
+step since the last read. Totals stay exact whichever steps are read.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -18,11 +21,12 @@ from lightning_gradcomp.stats import LayerStats, StepStats
 
 
 class Stopwatch:
-    """Accumulated elapsed time: ``perf_counter`` on CPU, CUDA events on GPU (read when resolved)."""
+    """Accumulated elapsed time: ``perf_counter`` on CPU, CUDA events on GPU (read by :meth:`read`)."""
 
     def __init__(self) -> None:
-        self._seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._current = _Times()
+        self._last = _Times()
+        self._earlier = _Times()
         self._lock = threading.Lock()
 
     @contextmanager
@@ -34,52 +38,121 @@ class Stopwatch:
             yield
             end.record(stream)
             with self._lock:
-                self._events.append((start, end))
+                self._current.events.append((start, end))
         else:
             began = time.perf_counter()
             yield
             with self._lock:
-                self._seconds += time.perf_counter() - began
+                self._current.seconds += time.perf_counter() - began
 
-    def take(self) -> float:
-        """Seconds accumulated since the last call."""
+    def close_step(self) -> None:
+        """End a step: its time becomes the last step's (no host synchronisation); the earlier steps'
+        events that have completed are turned into seconds, so unread steps hold few events."""
         with self._lock:
-            events, self._events = self._events, []
-            seconds, self._seconds = self._seconds, 0.0
-        for start, end in events:
+            self._earlier.absorb(self._last)
+            self._earlier.fold_completed()
+            self._last, self._current = self._current, _Times()
+
+    def read(self) -> tuple[float, float]:
+        """``(seconds of the steps closed before the last, seconds of the last closed step)`` since the
+        previous read; waits for the recorded events."""
+        with self._lock:
+            earlier, last = self._earlier, self._last
+            self._earlier, self._last = _Times(), _Times()
+        return earlier.total(), last.total()
+
+    @property
+    def unread(self) -> bool:
+        """Whether measured time waits for :meth:`read`."""
+        return bool(self._last.seconds or self._last.events or self._earlier.seconds or self._earlier.events)
+
+
+class _Times:
+    """Seconds measured on the host and CUDA event pairs not read yet."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def absorb(self, other: "_Times") -> None:
+        self.seconds += other.seconds
+        self.events.extend(other.events)
+
+    def fold_completed(self) -> None:
+        """Turn the event pairs whose work has completed into seconds (``query``: no host sync)."""
+        pending = []
+        for start, end in self.events:
+            if end.query():
+                self.seconds += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((start, end))
+        self.events = pending
+
+    def total(self) -> float:
+        seconds = self.seconds
+        for start, end in self.events:
             end.synchronize()
             seconds += start.elapsed_time(end) / 1000.0
         return seconds
 
 
 class StepRecorder:
-    """Squared norms of the compression error and of the compressed input, per parameter, for a step."""
+    """Squared norms of the compression error and of the compressed input, per parameter, per step."""
 
     def __init__(self) -> None:
         self._entries: list[tuple[str, Tensor, Tensor, int, int]] = []
+        self._last: Optional[Tensor] = None  # (2,) float64: the last closed step's error and input sums
+        self._earlier: Optional[Tensor] = None  # the same, summed over the steps closed before it
+        self._layers: Optional[tuple[list[tuple[str, int, int]], Tensor]] = None  # the last step's, if kept
 
-    def add(self, name: str, error_sq: Tensor, grad_sq: Tensor, count: int, numel: int, finite: Any = True) -> None:
+    def add(self, name: str, error_sq: Tensor, grad_sq: Tensor, count: int, numel: int, finite: object = True) -> None:
         """Record one parameter; a step whose gradient was not finite (``finite`` a 0-d tensor on
         accelerators) counts as zero, so totals stay finite."""
         if isinstance(finite, Tensor):
             error_sq, grad_sq = (torch.where(finite, value, torch.zeros_like(value)) for value in (error_sq, grad_sq))
         self._entries.append((name, error_sq.detach(), grad_sq.detach(), count, numel))
 
-    def resolve(self, stats: StepStats, per_layer: bool) -> None:
-        """Add the recorded sums (and, if asked, the per-parameter figures) to ``stats``; reset."""
+    @property
+    def unread(self) -> bool:
+        """Whether closed steps wait for :meth:`read`."""
+        return self._last is not None or self._earlier is not None
+
+    def close_step(self, keep_layers: bool = False) -> None:
+        """Fold the step's entries into device-side sums (no host synchronisation); with ``keep_layers``
+        the per-parameter figures of this step are kept for :meth:`read`."""
         entries, self._entries = self._entries, []
+        if self._last is not None:
+            self._earlier = self._last if self._earlier is None else self._earlier + self._last
+            self._last = None
+        self._layers = None
         if not entries:
             return
-        errors = torch.stack([e[1].double() for e in entries]).cpu()
-        inputs = torch.stack([e[2].double() for e in entries]).cpu()
-        stats.error_sq += float(errors.sum())
-        stats.grad_sq += float(inputs.sum())
-        if per_layer:
-            for (name, _, _, count, numel), error, grad in zip(entries, errors.tolist(), inputs.tolist()):
+        per_parameter = torch.stack([torch.stack([e[1].double(), e[2].double()]) for e in entries], dim=1)
+        self._last = per_parameter.sum(dim=1)
+        if keep_layers:
+            self._layers = ([(name, count, numel) for name, _, _, count, numel in entries], per_parameter)
+
+    def read(self, stats: StepStats, totals: StepStats) -> None:
+        """Bring the sums to the host (one read): the last closed step's into ``stats`` (and its
+        per-parameter figures, if kept), every closed step's since the last read into ``totals``."""
+        zero = torch.zeros(2, dtype=torch.float64)
+        pieces = [zero if self._earlier is None else self._earlier, zero if self._last is None else self._last]
+        layers, self._layers = self._layers, None
+        if layers is not None:
+            pieces.append(layers[1].reshape(-1))
+        values = torch.cat([piece.to(pieces[-1].device) for piece in pieces]).tolist()
+        self._earlier = self._last = None
+        stats.error_sq += values[2]
+        stats.grad_sq += values[3]
+        totals.error_sq += values[0] + values[2]
+        totals.grad_sq += values[1] + values[3]
+        if layers is not None:
+            described, _ = layers
+            count = len(described)
+            errors, inputs = values[4:4 + count], values[4 + count:]
+            for (name, sent, numel), error, grad in zip(described, errors, inputs):
                 layer = stats.layers.setdefault(name, LayerStats())
                 layer.error_sq += error
                 layer.grad_sq += grad
-                layer.count += count
+                layer.count += sent
                 layer.numel += numel
-
-

@@ -222,11 +222,13 @@ def _batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator)
 
 
-def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) -> None:
+def check_real_equals_simulated(rank: int, world_size: int, names: list[str], device: str = "cpu",
+                                tolerance: float = 1e-5) -> None:
     """Per compressor, exchanged in the hook and on the exchange thread: 3 steps of a real DDP model with
     the gradcomp hook, and the same 3 steps with the simulated exchange of ``world_size`` workers:
-    parameters within 1e-5, bytes exactly equal, and the bytes counted equal the bytes handed to
-    torch.distributed."""
+    parameters within ``tolerance``, bytes exactly equal, and the bytes counted equal the bytes handed
+    to torch.distributed. ``device="cuda"``: model, gradients and simulation on the GPU (several ranks
+    may share it on gloo)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp.compressors import COMPRESSORS
@@ -236,15 +238,15 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
     loss_fn = nn.CrossEntropyLoss()
     for name, thread in [(name, thread) for name in names for thread in (False, True)]:
         make = lambda: COMPRESSORS[name](**settings.get(name, {}))  # noqa: E731
-        model = _small_model()
-        ddp = DistributedDataParallel(model)
+        model = _small_model().to(device)
+        ddp = DistributedDataParallel(model, device_ids=[0] if device == "cuda" else None)
         state = GradCompHookState(make(), {id(p): n for n, p in model.named_parameters()}, min_compress_numel=256,
-                                  exchange_thread=thread)
+                                  exchange_thread=thread, device=torch.device(device))
         ddp.register_comm_hook(state, gradcomp_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         real_bytes = []
         for step in range(3):
-            x, y = _batch(step, rank)
+            x, y = (t.to(device) for t in _batch(step, rank))
             with CollectiveSpy() as spy:
                 loss_fn(ddp(x), y).backward()
             optimizer.step()
@@ -254,7 +256,7 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
             real_bytes.append(stats.bytes_sent)
         state.close()
 
-        twin = _small_model()
+        twin = _small_model().to(device)
         exchange = SimulatedExchange(make(), world_size, min_compress_numel=256)
         twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.1)
         simulated_bytes = []
@@ -262,7 +264,7 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
             for worker in range(world_size):
                 for p in twin.parameters():
                     p.grad = None
-                x, y = _batch(step, worker)
+                x, y = (t.to(device) for t in _batch(step, worker))
                 loss_fn(twin(x), y).backward()
                 exchange.add_worker(worker, [(n, p.grad) for n, p in twin.named_parameters()])
             aggregate = exchange.finish_step()
@@ -272,7 +274,8 @@ def check_real_equals_simulated(rank: int, world_size: int, names: list[str]) ->
             simulated_bytes.append(exchange.step_stats.bytes_sent)
         assert simulated_bytes == real_bytes, (name, simulated_bytes, real_bytes)
         for (n, real), (_, simulated) in zip(model.named_parameters(), twin.named_parameters()):
-            torch.testing.assert_close(simulated, real, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {n}: {m}")
+            torch.testing.assert_close(simulated, real, rtol=tolerance, atol=tolerance,
+                                       msg=lambda m: f"{name} thread={thread} {n}: {m}")
 
 
 def check_nonfinite_propagates(rank: int, world_size: int, names: list[str]) -> None:

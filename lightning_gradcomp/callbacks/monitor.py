@@ -48,8 +48,10 @@ class CompressionMonitor(Callback):
     density, as scalars ``gradcomp/layer/<name>/relative_error`` and ``.../density``, or as two
     TensorBoard histograms over the layers (``layer_mode="histogram"``).
 
-    The figures of all workers are averaged with one small all-reduce per logging step. With
-    ``log_every_n_steps=0`` the monitor is off and the hook does no extra work.
+    The figures of all workers are averaged with one small all-reduce per logging step. The measured
+    figures stay on the device between logging steps (no host synchronisation per step; the running
+    totals still count every step). With ``log_every_n_steps=0`` the monitor is off and the hook does no
+    extra work.
 
     Args:
         network: network model for ``comm_ms_est`` (default: 10 Gbit/s, 50 µs, ring).
@@ -109,8 +111,11 @@ class CompressionMonitor(Callback):
 
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
-        every = self.layer_every_n_steps
-        trainer.strategy.hook_state.record_layers = every > 0 and (trainer.global_step + 1) % every == 0
+        every, interval = self.layer_every_n_steps, self._interval(trainer)
+        coming = trainer.global_step + 1  # the step this batch's optimizer step completes
+        hook_state = trainer.strategy.hook_state
+        hook_state.record_layers = every > 0 and coming % every == 0
+        hook_state.telemetry_due = hook_state.record_layers or (interval > 0 and coming % interval == 0)
 
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.device import host_reads_allowed
 from lightning_gradcomp.exchange.protocol import Gather, Mean, Outcome, Protocol, Round
 
 #: name -> compressor class, filled by :meth:`Compressor.__init_subclass__`.
@@ -80,6 +81,10 @@ class CompressContext:
         finite: whether this worker's gradient is finite (see :func:`all_finite`). A compressor that keeps
             state must leave it unchanged when it is not (:func:`keep_if_finite`). ``None`` while the
             compressor is to find it itself (:attr:`Compressor.checks_finite`).
+        dtype: the gradient's dtype, in which values cross the wire (:meth:`wire_dtype`). The tensor handed
+            to the compressor may be wider: under error feedback it is ``g + e`` in fp32 (residuals are
+            kept in fp32 whatever the gradient's dtype, :func:`~lightning_gradcomp.compressors.device.state_dtype`).
+            ``None``: the tensor's own dtype.
     """
 
     name: str
@@ -90,12 +95,19 @@ class CompressContext:
     state: dict[str, Tensor] = field(default_factory=dict)
     shape: tuple[int, ...] = ()
     finite: "Optional[Finite]" = True
+    dtype: Optional[torch.dtype] = None
+
+    def wire_dtype(self, tensor: Tensor) -> torch.dtype:
+        """The dtype of values sent for ``tensor``: the gradient's (:attr:`dtype`), else the tensor's."""
+        return self.dtype if self.dtype is not None else tensor.dtype
 
     def generator(self, device: torch.device, *, per_rank: bool) -> torch.Generator:
         """A fresh generator seeded from ``(seed, step, name[, rank])``; the global RNG is never touched.
 
         Stateless seeding makes draws reproducible after a resume and, with ``per_rank=False``,
-        identical on every worker (shared Random-k indices).
+        identical on every worker (shared Random-k indices), provided ``device`` is the CPU for those
+        (:func:`~lightning_gradcomp.compressors.device.shared_draw_generator_device`): a GPU generator's
+        stream depends on the GPU model.
         """
         key = f"{self.seed}/{self.step}/{self.name}/{self.rank if per_rank else -1}"
         generator = torch.Generator(device=device)
@@ -119,6 +131,13 @@ class Compressor(ABC):
     #: ``ctx.finite`` before it returns, so the engine skips its own pass over the tensor. ``ctx.finite``
     #: is ``None`` until then; such a compressor must not read it first.
     checks_finite: ClassVar[bool] = False
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the compressor keeps values across steps that follow the gradient's scale (DGC's
+        velocity, Signum's momentum, an owner residual): fp16 mixed precision's changing loss scale would
+        mix scales in them, so such a compressor is refused there like error feedback."""
+        return self.owns_residual
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -225,7 +244,7 @@ class Compressor(ABC):
         ``subtract`` removes this worker's own decoded payload (error feedback ``e = p − C(p)``).
         """
         payload = self.compress(tensor, ctx)
-        self.check_payload(payload, tensor.dtype, ctx.name)
+        self.check_payload(payload, ctx.wire_dtype(tensor), ctx.name)
         if self.all_reducible:
             means = yield Round([Mean(part) for part in payload.parts], last=True)
             received = [Payload(tuple(means), payload.numel, payload.count, payload.meta)]
@@ -288,11 +307,12 @@ def all_finite(tensor: Tensor) -> Finite:
     A sum is NaN or infinite whenever an element is (``inf - inf`` is NaN), so one sum (in fp32 for 16-bit
     inputs) decides; a sum that overflows although every element is finite (values near 1e38) also
     counts as non-finite, which the averaged result would be anyway. On CPU the answer is a bool; on
-    other devices a 0-d tensor, so that the hook never waits for the device.
+    other devices a 0-d tensor, so that the hook never waits for the device
+    (:func:`~lightning_gradcomp.compressors.device.host_reads_allowed`).
     """
     total = tensor.sum(dtype=torch.float32) if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.sum()
     finite = torch.isfinite(total)
-    return bool(finite) if tensor.device.type == "cpu" else finite
+    return bool(finite) if host_reads_allowed(tensor.device) else finite
 
 
 def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:

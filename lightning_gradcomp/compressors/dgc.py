@@ -167,7 +167,8 @@ class DGC(HasDensity, _ValuesAndIndices):
                 ctx.state.pop(VELOCITY, None)
             elif previous_velocity is not None:
                 self._store(ctx, VELOCITY, torch.zeros_like(previous_velocity), previous_velocity)
-            return Payload((sent.to(tensor.dtype, copy=True), increment.new_empty(0, dtype=torch.int32)), numel, numel)
+            return Payload((sent.to(ctx.wire_dtype(tensor), copy=True), increment.new_empty(0, dtype=torch.int32)),
+                           numel, numel)
         if previous_velocity is None or previous_velocity.shape != increment.shape:
             velocity = increment.clone()
         elif in_place:
@@ -183,7 +184,7 @@ class DGC(HasDensity, _ValuesAndIndices):
             pad_index = indices[:1] if indices.numel() else indices.new_zeros(1)
             indices = torch.cat([indices, pad_index.expand(missing)])
             values = torch.cat([values, values.new_zeros(missing)])
-        payload = Payload((values.to(tensor.dtype), indices.to(torch.int32)), numel, k)
+        payload = Payload((values.to(ctx.wire_dtype(tensor)), indices.to(torch.int32)), numel, k)
         velocity.index_fill_(0, selected, 0.0)  # momentum-factor masking, on this step's own tensors
         momentum.index_fill_(0, selected, 0.0)
         self._store(ctx, VELOCITY, velocity, previous_velocity)

@@ -32,7 +32,7 @@ class NoCompression(Compressor):
         return (numel,)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        return Payload((tensor,), tensor.numel(), tensor.numel())
+        return Payload((tensor.to(ctx.wire_dtype(tensor)),), tensor.numel(), tensor.numel())
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0], alpha=alpha)

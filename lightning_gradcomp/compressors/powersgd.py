@@ -18,6 +18,7 @@ from lightning_gradcomp.compressors.base import (
     check_int,
     keep_if_finite,
 )
+from lightning_gradcomp.compressors.device import shared_draw_generator_device, to_device
 from lightning_gradcomp.exchange.protocol import Mean, Outcome, Protocol, Round
 
 Q_STATE = "q"
@@ -110,7 +111,7 @@ class PowerSGD(Compressor):
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
         matrix = self.matrix_shape(ctx.shape) if ctx.shape else None
         if matrix is None or ctx.step < self.start_step:
-            return (yield from _averaged(tensor))
+            return (yield from _averaged(tensor, ctx.wire_dtype(tensor)))
         n, m, r = matrix
         compute = _compute_dtype(tensor.dtype)
         local = tensor.view(n, m).to(compute)
@@ -136,8 +137,9 @@ class PowerSGD(Compressor):
         previous = ctx.state.get(Q_STATE) if self.warm_start else None
         if previous is not None and previous.shape == (m, r):
             return previous.to(dtype)
-        generator = ctx.generator(device, per_rank=False)  # the same Q on every worker
-        return torch.randn(m, r, generator=generator, device=device, dtype=dtype)
+        # the same Q on every worker: drawn on the CPU (a GPU generator's draws depend on the GPU model)
+        generator = ctx.generator(shared_draw_generator_device(), per_rank=False)
+        return to_device(torch.randn(m, r, generator=generator, dtype=dtype), device)
 
     @staticmethod
     def _keep_q(ctx: CompressContext, q_mean: Tensor, m: int, r: int) -> None:
@@ -167,9 +169,10 @@ def orthogonalize(matrix: Tensor) -> Tensor:
     return matrix
 
 
-def _averaged(tensor: Tensor) -> Protocol:
-    """Uncompressed averaging (1-D tensors, small matrices, steps before ``start_step``)."""
-    (mean,) = yield Round([Mean(tensor)], last=True)
+def _averaged(tensor: Tensor, wire_dtype: torch.dtype) -> Protocol:
+    """Uncompressed averaging (1-D tensors, small matrices, steps before ``start_step``), in the
+    gradient's dtype."""
+    (mean,) = yield Round([Mean(tensor.to(wire_dtype))], last=True)
     return Outcome(tensor.numel(), lambda residual: residual.zero_(), lambda out: out.copy_(mean))
 
 

@@ -59,6 +59,11 @@ class _QuantisedAllReduce(Compressor):
     def hparams(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "owner_error_feedback": self.owner_error_feedback}
 
+    @property
+    def keeps_state(self) -> bool:
+        """The owner residual is kept across steps."""
+        return self.owner_error_feedback
+
     # ------------------------------------------------------------------ the codec
     def _code_nbytes(self, numel: int) -> int:
         """Bytes of the codes of ``numel`` elements."""

@@ -19,6 +19,9 @@ tensor on CPU). Three methods return the indices of the ``k`` largest ``|x_i|`` 
 * ``"exact"``: ``torch.topk`` over ``|x|``.
 
 The three choose the same set up to ties at the ``k``-th magnitude, so training is bit for bit the same.
+Where the host may not read device values (accelerators, see
+:func:`~lightning_gradcomp.compressors.device.host_reads_allowed`), ``"sampled"`` uses the blocks: its
+candidate count depends on the data, a host synchronisation per tensor, and the set is the same.
 
 :func:`select_topk` also says whether the tensor was finite: the block peaks are maxima, and a maximum is
 NaN or infinite exactly when an element of its block is, so the check costs ``d/b`` elements instead of
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Finite, all_finite
+from lightning_gradcomp.compressors.device import host_reads_allowed
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def check_selection(selection: str) -> str:
 def topk_indices(values: Tensor, k: int, selection: str = "blocks", generator: Optional[torch.Generator] = None,
                  sample_fraction: float = 0.01) -> Tensor:
     """Indices of the ``k`` largest ``|values_i|`` of a 1-D tensor (unsorted), by ``selection``."""
-    if selection == "blocks":
+    if selection == "blocks" or (selection == "sampled" and not host_reads_allowed(values.device)):
         return block_topk(values, k)
     if selection == "sampled":
         return sampled_topk(values.abs(), k, generator, sample_fraction=sample_fraction).indices
@@ -74,7 +78,7 @@ def select_topk(values: Tensor, k: int, selection: str = "blocks", generator: Op
     """:func:`topk_indices`, and whether every element of ``values`` is finite (:attr:`Selection.finite`,
     as :func:`~lightning_gradcomp.compressors.base.all_finite` answers): from the block peaks where
     ``"blocks"`` prunes, else by one reduction."""
-    if selection == "blocks":
+    if selection == "blocks" or (selection == "sampled" and not host_reads_allowed(values.device)):
         return block_topk(values, k, report=True)
     return Selection(topk_indices(values, k, selection, generator, sample_fraction), values.numel(),
                      all_finite(values))
@@ -122,7 +126,7 @@ def block_topk(values: Tensor, k: int, prune: Optional[bool] = None, report: boo
     copies of the tensor, against about 20 for ``torch.topk``. Falls back to exact ``topk`` where blocks
     would not prune (``k·b > d/4``).
 
-    ``prune`` (default: on CPU only) drops the candidates below the smallest kept peak before the last
+    ``prune`` (default: where host reads are allowed, i.e. on CPU) drops the candidates below the smallest kept peak before the last
     ``topk``; its size depends on the data, a host synchronisation on accelerators, where the last
     ``topk`` runs over all ``k·b`` candidates instead. Both give a top-``k`` set.
 
@@ -157,7 +161,7 @@ def block_topk(values: Tensor, k: int, prune: Optional[bool] = None, report: boo
     candidates = torch.cat([candidates, tail]) if tail.numel() else candidates
     magnitude = candidates.abs().to(torch.float32)
     chosen: Optional[Tensor] = None
-    if values.device.type == "cpu" if prune is None else prune:
+    if host_reads_allowed(values.device) if prune is None else prune:
         passed = torch.nonzero(magnitude >= top.values.min()).view(-1)
         if passed.numel() >= k:  # always, unless the tensor holds NaN
             chosen = passed[torch.topk(magnitude.index_select(0, passed), k, sorted=False).indices]
@@ -179,7 +183,7 @@ def _peaks_finite(peaks: Tensor, tail: Tensor) -> Finite:
     finite = torch.isfinite(peaks.amax())  # a NaN peak makes the maximum NaN
     if tail.numel():
         finite = finite & torch.isfinite(tail).all()
-    return bool(finite) if peaks.device.type == "cpu" else finite
+    return bool(finite) if host_reads_allowed(peaks.device) else finite
 
 
 def threshold_indices(values: Tensor, threshold: float) -> Tensor:

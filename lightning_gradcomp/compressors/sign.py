@@ -108,6 +108,11 @@ class SignSGD(_ScaledSigns):
     def hparams(self) -> dict[str, Any]:
         return {"scale": self.scale, "momentum": self.momentum}
 
+    @property
+    def keeps_state(self) -> bool:
+        """Signum keeps its momentum across steps."""
+        return self.momentum > 0
+
     def check_optimizer(self, optimizer: Optimizer) -> None:
         """Signum holds the momentum: refuse an optimizer that applies its own on top."""
         if not self.momentum:
@@ -144,7 +149,7 @@ class SignSGD(_ScaledSigns):
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
         """One gather of every worker's signs and scale; the aggregate is the scaled majority vote."""
         payload = self.compress(tensor, ctx)
-        self.check_payload(payload, tensor.dtype, ctx.name)
+        self.check_payload(payload, ctx.wire_dtype(tensor), ctx.name)
         (rows,) = yield Round([Gather(payload.parts)], last=True)
 
         def write(out: Tensor) -> None:

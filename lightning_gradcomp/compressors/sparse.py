@@ -20,6 +20,7 @@ from lightning_gradcomp.compressors.base import (
     check_density,
     sparse_count,
 )
+from lightning_gradcomp.compressors.device import shared_draw_generator_device, to_device
 from lightning_gradcomp.compressors.selection import check_selection, select_threshold, select_topk
 
 
@@ -33,8 +34,10 @@ class _ValuesAndIndices(Compressor):
         return (count, count)
 
     @staticmethod
-    def _payload(tensor: Tensor, indices: Tensor) -> Payload:
-        return Payload((tensor[indices], indices.to(torch.int32)), tensor.numel(), indices.numel())
+    def _payload(tensor: Tensor, indices: Tensor, ctx: CompressContext) -> Payload:
+        """The values at ``indices`` (in the gradient's dtype) and the indices as int32."""
+        values = tensor[indices].to(ctx.wire_dtype(tensor))
+        return Payload((values, indices.to(torch.int32)), tensor.numel(), indices.numel())
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         values, indices = payload.parts
@@ -89,7 +92,7 @@ class TopK(HasDensity, _ValuesAndIndices):
         generator = ctx.generator(tensor.device, per_rank=True) if self.selection == "sampled" else None
         chosen = select_topk(tensor, k, self.selection, generator)
         ctx.finite = chosen.finite
-        return self._payload(tensor, chosen.indices)
+        return self._payload(tensor, chosen.indices, ctx)
 
 
 class RandomK(HasDensity, _ValuesAndIndices):
@@ -101,6 +104,9 @@ class RandomK(HasDensity, _ValuesAndIndices):
     (``4k`` bytes: density 0.01 is a 100x ratio). With ``shared_indices=False`` each worker draws its own
     indices and sends them too. Biased without the ``d/k`` rescaling, so error feedback is on by default
     (000 §3.1.1; Stich et al. 2018). The global RNG is never used.
+
+    Indices are drawn on the CPU (O(k log k), no host synchronisation of the device) and copied to the
+    device without blocking: identical on every worker whatever its GPU model, and equal to a CPU run's.
     """
 
     name = "randomk"
@@ -128,11 +134,11 @@ class RandomK(HasDensity, _ValuesAndIndices):
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
-        generator = ctx.generator(tensor.device, per_rank=not self.shared_indices)
-        indices = sample_without_replacement(numel, k, generator, tensor.device)
+        generator = ctx.generator(shared_draw_generator_device(), per_rank=not self.shared_indices)
+        indices = to_device(sample_without_replacement(numel, k, generator), tensor.device)
         if not self.shared_indices:
-            return self._payload(tensor, indices)
-        return Payload((tensor[indices],), numel, k, meta=indices)
+            return self._payload(tensor, indices, ctx)
+        return Payload((tensor[indices].to(ctx.wire_dtype(tensor)),), numel, k, meta=indices)
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         if not self.shared_indices:
@@ -140,13 +146,15 @@ class RandomK(HasDensity, _ValuesAndIndices):
         out.index_add_(0, payload.meta, payload.parts[0].to(out.dtype), alpha=alpha)
 
 
-def sample_without_replacement(n: int, k: int, generator: torch.Generator, device: torch.device) -> Tensor:
-    """``k`` distinct indices drawn uniformly from ``range(n)``.
+def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
+    """``k`` distinct indices drawn uniformly from ``range(n)``, on the generator's device (the CPU: the
+    loop reads sizes).
 
     For ``k`` well below ``n``: draw a few more than ``k`` with replacement, drop repeats, and keep a
     random ``k`` of the distinct ones (O(k log k), where ``randperm(n)`` costs O(n)). Each ``k``-subset
     is equally likely: the distinct draws are a uniform random subset, and so is a random part of it.
     """
+    device = generator.device
     if k * 8 > n:
         return torch.randperm(n, generator=generator, device=device)[:k]
     draws = k + max(16, k // 8)
@@ -196,4 +204,4 @@ class HardThreshold(_ValuesAndIndices):
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         chosen = select_threshold(tensor, self.threshold)
         ctx.finite = chosen.finite
-        return self._payload(tensor, chosen.indices)
+        return self._payload(tensor, chosen.indices, ctx)

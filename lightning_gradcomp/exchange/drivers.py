@@ -15,11 +15,21 @@ everywhere. (Collectives issued from ``.then()`` callbacks can be reordered betw
 buckets are in flight, and gloo then pairs mismatched messages.) Intermediate rounds of a multi-round
 protocol (PowerSGD) are waited for in the calling thread; only the decoding after the final round runs
 in a callback, and it issues nothing.
+
+Failures: on gloo a collective that fails (a peer died, closed its connection or timed out) fails its
+future, and :class:`TorchDriver` raises :class:`CollectiveError` on every rank that waits for it. On
+NCCL a collective's future completes when the collective is *queued* (the device waits, not the host),
+so a dead peer is not seen there: PyTorch's NCCL watchdog finds the collective still running after the
+process group's ``timeout``, aborts the communicator and ends every surviving process with an error
+naming the collective (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default). Making the host wait for each
+collective (``TORCH_NCCL_BLOCKING_WAIT=1``) would turn that into a Python error, at the price of a host
+synchronisation per collective, which this package does not do.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,23 +78,36 @@ class TorchDriver(_ByteCounter):
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def run(self, protocol: BucketProtocol) -> Future:
-        """Drive ``protocol`` (from :meth:`ExchangeEngine.bucket`); the future's value is its
-        :class:`BucketReport`, set once the final round's results are decoded."""
+    def run(self, protocol: BucketProtocol, finish: Callable[[BucketReport], Any] = lambda report: report,
+            device: Optional[torch.device] = None, stream: "Optional[torch.cuda.Stream]" = None) -> Future:
+        """Drive ``protocol`` (from :meth:`ExchangeEngine.bucket`): its intermediate rounds now, its final
+        round's decoding once the collectives complete. The future's value is ``finish(report)``.
+
+        On CUDA (``device``), the caller runs this with ``stream`` current and the decoding runs on
+        ``stream`` too (a callback's own stream is whatever the completing thread had); the future is
+        made for the device, so that waiting on it makes the waiting stream wait for the decoding
+        (``finish`` should then return the tensor the waiter reads)."""
         turn = self._to_final_round(protocol)
         if not isinstance(turn, CollectiveRound):
-            return _completed(turn)
+            return _completed(finish(turn))
         issued = [self._issue(collective) for collective in turn.collectives]
+        result: Future = Future(devices=[device]) if device is not None and device.type == "cuda" else Future()
 
-        def finish(_: Any) -> BucketReport:
-            # Waiting on each child future raises its error (a dead peer) instead of decoding garbage,
-            # and, on CUDA, makes the current stream wait for the collective (collect_all carries no
-            # stream events).
-            return _decode(protocol, [self._wait(*item) for item in issued])
+        def decode(_: Any) -> None:
+            # Waiting on each child future raises its error (a dead peer on gloo) instead of decoding
+            # garbage, and, on CUDA, makes the current stream wait for the collective (collect_all
+            # carries no stream events).
+            try:
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    result.set_result(finish(_decode(protocol, [self._wait(*item) for item in issued])))
+            except BaseException as error:  # noqa: BLE001 - every error must reach the waiter
+                result.set_exception(error)
 
         if not issued:
-            return _completed(finish(None))
-        return torch.futures.collect_all([future for future, _, _ in issued]).then(finish)
+            decode(None)
+        else:
+            torch.futures.collect_all([future for future, _, _ in issued]).then(decode)
+        return result
 
     def drive(self, protocol: BucketProtocol) -> BucketReport:
         """Drive ``protocol`` to its end, waiting on every round (for an exchange thread)."""

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Finite, all_finite
+from lightning_gradcomp.compressors.device import host_reads_allowed
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.protocol import AllToAll, Gather, Mean, Received, Round
 from lightning_gradcomp.pipeline import WorkerPipeline
@@ -112,7 +113,7 @@ class ExchangeEngine:
         entries = sorted(entries, key=lambda entry: entry.name)
         device = entries[0].grad.device if entries else torch.device("cpu")
         contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed,
-                                          self._finiteness(entry)) for entry in entries]
+                                          self._finiteness(entry), entry.grad.dtype) for entry in entries]
         protocols = [self._protocol(entry, ctx) for entry, ctx in zip(entries, contexts)]
         sent = [0] * len(entries)
         with self._clock(self.compress_clock, device):
@@ -215,7 +216,7 @@ def _skip_memory_if_poisoned(contexts: Sequence[CompressContext], flag: Tensor) 
     """When any worker's gradient in the bucket was not finite, no worker updates its memory for the
     bucket (the step is void everywhere, as AMP's GradScaler makes it): every context is marked
     non-finite before the protocols finish."""
-    if flag.device.type == "cpu":
+    if host_reads_allowed(flag.device):
         if not math.isfinite(float(flag)):
             for ctx in contexts:
                 ctx.finite = False
@@ -229,7 +230,7 @@ def _poison(entries: Sequence[Entry], flag: Tensor) -> None:
     """Make the bucket's results NaN on every worker when any worker's gradient was not finite (as DDP's
     all-reduce would carry a NaN); on accelerators by adding the flag (no host sync)."""
     outs = [entry.out for entry in entries if entry.out is not None]
-    if flag.device.type == "cpu":
+    if host_reads_allowed(flag.device):
         if not math.isfinite(float(flag)):
             for out in outs:
                 out.fill_(math.nan)

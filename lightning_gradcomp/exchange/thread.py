@@ -3,12 +3,19 @@
 With the thread, the DDP hook only queues the bucket and returns a future; compression, every round of
 collectives and decoding run on one thread per process, so they overlap the rest of backward, and a
 multi-round protocol (PowerSGD) never stalls backward while it waits for its first round. One thread
-takes the buckets in the order DDP calls the hook, which is the same on every rank, so collectives are
-issued in the same order everywhere.
+takes the buckets in the order DDP calls the hook, which is the same on every rank, so its collectives
+are issued in the same order everywhere.
 
-On CUDA the thread runs on its own stream: it waits for an event recorded on the autograd stream when
-the bucket was handed over (the gradients are ready), and the future is created for the device, so
-DDP's wait makes its stream wait for the exchange's work.
+The thread's collectives go to a process group of their own (the same ranks, see
+:func:`exchange_group`): collectives that other code issues on the training's group while the thread
+still sends buckets (DDP's map of unused parameters with ``find_unused_parameters=True``,
+SyncBatchNorm's backward all-reduce, an autograd function that communicates) would otherwise be
+interleaved with the thread's in a different order on different ranks: gloo aborts, NCCL hangs or
+mixes gradients.
+
+On CUDA the exchange runs on a stream of its own (:class:`ExchangeStreams`): it waits for an event
+recorded on the autograd stream when the bucket was handed over (the gradients are ready), and the
+future is created for the device, so DDP's wait makes its stream wait for the exchange's work.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from typing import Any, Callable, Optional
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gradcomp.exchange.drivers import TorchDriver
@@ -27,14 +37,64 @@ from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport
 _STOP = object()
 
 
-class ExchangeThread:
-    """Runs bucket exchanges with ``driver`` on a daemon thread, first in, first out."""
+class ExchangeStreams:
+    """One CUDA stream per device on which every exchange of a hook state runs (in the hook or on the
+    exchange thread), so that every tensor the exchange allocates, reads and frees belongs to that
+    stream (the caching allocator may hand a freed block to another stream's next allocation at once)."""
 
-    def __init__(self, driver: TorchDriver) -> None:
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> "Optional[torch.cuda.Stream]":
+        """The stream for ``device`` (``None`` on devices other than CUDA)."""
+        if device.type != "cuda":
+            return None
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            return stream
+
+    def entered(self, device: torch.device) -> ContextManager[Any]:
+        """Make the exchange stream of ``device`` current, after the current stream's queued work (the
+        gradients are ready); nothing on other devices."""
+        stream = self.get(device)
+        if stream is None:
+            return nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return torch.cuda.stream(stream)
+
+
+def exchange_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """A process group with the ranks, backend and timeout of ``group`` (``None``: the world), for the
+    exchange thread's collectives. Every rank of ``group`` must call it at the same point (the world's
+    ranks all, when ``group`` is the world)."""
+    world = group is None or group is dist.group.WORLD
+    ranks = None if world else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, timeout=group_timeout(group), backend=dist.get_backend(group),
+                          use_local_synchronization=not world)
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The timeout ``group`` was created with, where the backend tells it (gloo, NCCL); else ``None``."""
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - the backend has no such device or no options: try the next
+            continue
+    return None
+
+
+class ExchangeThread:
+    """Runs bucket exchanges with ``driver`` on a daemon thread, first in, first out, on ``streams``."""
+
+    def __init__(self, driver: TorchDriver, streams: ExchangeStreams) -> None:
         self.driver = driver
+        self.streams = streams
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self._streams: dict[torch.device, "torch.cuda.Stream"] = {}
         self._lock = threading.Lock()
 
     def submit(self, protocol: BucketProtocol, device: torch.device, finish: Callable[[BucketReport], Any]) -> Future:
@@ -77,8 +137,8 @@ class ExchangeThread:
                 return
             protocol, device, ready, future, finish = item
             try:
-                if device.type == "cuda":
-                    stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+                stream = self.streams.get(device)
+                if stream is not None:
                     with torch.cuda.stream(stream):
                         stream.wait_event(ready)
                         future.set_result(finish(self.driver.drive(protocol)))

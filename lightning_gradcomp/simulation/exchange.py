@@ -51,9 +51,12 @@ class SimulatedExchange:
         self.driver = InProcessDriver(workers)
         self.step = 0
         self.record_layers = False
-        self.totals = StepStats()
+        self._totals = StepStats()
         self.tally = CollectiveTally()
         self.step_stats = StepStats()
+        #: whether :meth:`finish_step` reads the measured figures from the device (see
+        #: :attr:`~lightning_gradcomp.hook.GradCompHookState.telemetry_due`)
+        self.telemetry_due = True
         self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}
 
@@ -64,6 +67,16 @@ class SimulatedExchange:
     @property
     def seed(self) -> int:
         return self.engines[0].seed
+
+    @property
+    def totals(self) -> StepStats:
+        """Running totals of every step's figures (measured figures read from the device first)."""
+        self.read_measurements()
+        return self._totals
+
+    @totals.setter
+    def totals(self, value: StepStats) -> None:
+        self._totals = value
 
     @property
     def telemetry(self) -> bool:
@@ -100,7 +113,7 @@ class SimulatedExchange:
         :attr:`step_stats` and :attr:`totals`."""
         reports = self.driver.finish()
         for worker, pipeline in enumerate(self.pipelines):
-            warn_nonfinite(pipeline.take_nonfinite(), worker, self.step + 1)
+            warn_nonfinite(pipeline.nonfinite.take(), worker)
         logs = [counter.take_log() for counter in self.driver.counters]
         workers = self.workers
         stats = StepStats(
@@ -114,25 +127,51 @@ class SimulatedExchange:
         if self.local_size > 1:
             stats.collectives = ([("node:all_reduce", reports[0].bytes_dense)] * 2
                                  + [(f"cross:{kind}", nbytes) for kind, nbytes in logs[0]])
-        if self._telemetry:
-            self.recorder.resolve(stats, per_layer=self.record_layers)
-            stats.error_sq /= workers
-            stats.grad_sq /= workers
-            for layer in stats.layers.values():
-                for name in ("error_sq", "grad_sq", "count", "numel"):
-                    setattr(layer, name, getattr(layer, name) / workers)
-            stats.compress_s = sum(engine.compress_clock.take() for engine in self.engines) / workers
-            stats.decompress_s = sum(engine.decompress_clock.take() for engine in self.engines) / workers
+        self._totals.add(stats)
+        self.tally.add(stats)
+        self.step_stats = stats
+        if self._telemetry or self.recorder.unread:
+            self.recorder.close_step(keep_layers=self.record_layers)
+            for engine in self.engines:
+                engine.compress_clock.close_step()
+                engine.decompress_clock.close_step()
+        if self.telemetry_due:
+            self.read_measurements()
         aggregate, self._aggregate = self._aggregate, {}
         self.step += 1
-        self.step_stats = stats
-        self.totals.add(stats)
-        self.tally.add(stats)
         return aggregate
+
+    def read_measurements(self) -> None:
+        """Bring the measured figures to the host (one synchronisation): the last step's into
+        :attr:`step_stats`, averaged over workers, and every step's since the last read into :attr:`totals`."""
+        clocks = [clock for engine in self.engines for clock in (engine.compress_clock, engine.decompress_clock)]
+        if not self.recorder.unread and not any(clock.unread for clock in clocks):
+            return
+        workers = self.workers
+        step, totals = StepStats(), StepStats()
+        self.recorder.read(step, totals)
+        for field in ("error_sq", "grad_sq"):
+            setattr(self.step_stats, field, getattr(self.step_stats, field) + getattr(step, field) / workers)
+            setattr(self._totals, field, getattr(self._totals, field) + getattr(totals, field) / workers)
+        for name, layer in step.layers.items():
+            for field in ("error_sq", "grad_sq", "count", "numel"):
+                setattr(layer, field, getattr(layer, field) / workers)
+            self.step_stats.layers[name] = layer
+        for engine in self.engines:
+            for clock, field in ((engine.compress_clock, "compress_s"), (engine.decompress_clock, "decompress_s")):
+                earlier, last = clock.read()
+                setattr(self.step_stats, field, getattr(self.step_stats, field) + last / workers)
+                setattr(self._totals, field, getattr(self._totals, field) + (earlier + last) / workers)
+
+    def close(self) -> None:
+        """Wait for every non-finite flag still in flight and warn (at teardown)."""
+        for worker, pipeline in enumerate(self.pipelines):
+            warn_nonfinite(pipeline.nonfinite.take(block=True), worker)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
         """One state per worker, in the format of the DDP hook's per-rank state."""
+        self.read_measurements()
         return [{"step": self.step, "memory": p.memory.state_dict(), "totals": self.totals.state_dict(),
                  "collectives": self.tally.state_dict()} for p in self.pipelines]
 

@@ -1,0 +1,170 @@
+"""Worker functions of the CUDA tests (tests/test_cuda.py), run in spawned processes on one GPU."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import lightning_gradcomp
+from lightning_gradcomp.compressors import COMPRESSORS, TopK
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+
+from tests._sync_workers import fixed_size_variants
+from tests.conftest import free_port
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., None], args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gpu(fn: Callable[..., None], world_size: int, backend: str, *args: Any) -> None:
+    """``fn(rank, world_size, *args)`` in ``world_size`` processes sharing GPU 0 (NCCL: one process)."""
+    mp.start_processes(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size,
+                       start_method="spawn")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
+                         nn.ReLU(), nn.Linear(512, 10)).cuda()
+
+
+def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches made on the GPU up front (a copy from pageable host memory synchronises)."""
+    generator = torch.Generator().manual_seed(rank)
+    return [(torch.randn(32, 64, generator=generator).cuda(), torch.randint(0, 10, (32,), generator=generator).cuda())
+            for _ in range(steps)]
+
+
+def check_no_sync_in_the_hook(rank: int, world_size: int) -> None:
+    """Every fixed-size compressor, thread on and off, telemetry on: steps under
+    ``torch.cuda.set_sync_debug_mode("error")`` (warm-up steps first, outside it)."""
+    for label, compressor in fixed_size_variants():
+        for thread in (False, True):
+            model = _model()
+            ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.5)
+            handle = lightning_gradcomp.register(ddp, compressor, min_compress_numel=256, exchange_thread=thread,
+                                                 telemetry=True)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            batches = _batches(rank, 5)
+            for step, (x, y) in enumerate(batches):
+                if step == 2:  # after two warm-up steps (the first builds DDP's buckets)
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+                    optimizer.step()
+                except RuntimeError as error:
+                    torch.cuda.set_sync_debug_mode(0)
+                    raise AssertionError(f"{label} thread={thread} step {step}: {error}") from error
+            torch.cuda.set_sync_debug_mode(0)
+            stats = handle.step_stats  # outside the hook: reads the measurements
+            assert stats.bytes_sent > 0 and stats.grad_sq > 0, (label, stats)
+            assert handle.hook_state.hook_calls >= 12, "several buckets per step"
+            handle.close()
+
+
+def check_flat_memory(rank: int, world_size: int, steps: int) -> None:
+    """The raw hook (``GradCompHookState`` + ``gradcomp_hook``, nobody takes the figures), telemetry on,
+    thread on and off: ``memory_allocated()`` flat from step 100 to ``steps``, and the per-step lists
+    bounded."""
+    for thread in (False, True):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.5)
+        state = GradCompHookState(TopK(0.01), {id(p): n for n, p in model.named_parameters()}, min_compress_numel=256,
+                                  exchange_thread=thread, device=torch.device("cuda"))
+        state.telemetry = True
+        ddp.register_comm_hook(state, gradcomp_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = _batches(rank, 1)[0]
+        allocated = {}
+        for step in range(steps):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            if step >= 100 and step % 50 == 0:
+                torch.cuda.synchronize()
+                allocated[step] = torch.cuda.memory_allocated()
+        # What is alive at a sampled moment varies by up to about 0.5 MB here (blocks freed across streams
+        # return late); a leak of one block (512 bytes) per step would raise the median of the second
+        # half by about 0.5 MB over the first.
+        first = statistics.median(value for step, value in allocated.items() if step < steps // 2)
+        second = statistics.median(value for step, value in allocated.items() if step >= steps // 2)
+        assert second <= first + 256 * 1024, (thread, first, second, allocated)
+        clocks = (state.engine.compress_clock, state.engine.decompress_clock)
+        assert all(len(clock._earlier.events) <= 256 for clock in clocks), "completed events are folded"
+        assert len(state.driver._log) + len(state._thread_driver._log if state._thread_driver else []) <= 16
+        assert len(state.pipeline.nonfinite._pending) <= 16
+        assert len(state.pipeline.recorder._entries) <= 16
+        assert state.totals.steps == steps - 1  # the last step is closed by the next read
+        state.close()
+
+
+def check_nccl_checkpoint_gathers_on_the_host(rank: int, world_size: int) -> None:
+    """``state_dict()`` on NCCL gathers over a gloo group (nothing staged in GPU memory), and a resumed
+    handle continues exactly like the original."""
+    batches = _batches(rank, 8)
+
+    def make() -> tuple[nn.Module, Any, Any]:
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.5)
+        handle = lightning_gradcomp.register(ddp, TopK(0.01), min_compress_numel=256)
+        return model, ddp, handle
+
+    def steps(model, ddp, optimizer, part) -> None:
+        for x, y in part:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+
+    model, ddp, handle = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps(model, ddp, optimizer, batches[:4])
+    entry = handle.state_dict()
+    assert dist.get_backend(handle.hook_state._cpu_group) == "gloo"
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(t.device.type == "cpu" for r in entry["ranks"] for t in r["memory"]["residuals"].values())
+    steps(model, ddp, optimizer, batches[4:])
+    handle.close()
+
+    resumed, resumed_ddp, resumed_handle = make()
+    resumed.load_state_dict(saved_model)
+    resumed_handle.load_state_dict(entry)
+    assert all(r.device.type == "cuda" for r in resumed_handle.hook_state.memory.residuals.values())
+    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    steps(resumed, resumed_ddp, resumed_optimizer, batches[4:])
+    resumed_handle.close()
+    for (name, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def simulate(name: str, device: str, steps: int = 3, workers: int = 2) -> list[dict[str, torch.Tensor]]:
+    """``steps`` steps of the ``workers``-worker simulation of ``name`` on ``device``; the aggregates on CPU."""
+    from lightning_gradcomp.simulation import SimulatedExchange
+
+    from tests._gloo_workers import conformance_settings
+
+    shapes = {"conv.weight": (16, 8, 3, 3), "fc.weight": (40, 64), "big.weight": (256, 512), "fc.bias": (40,)}
+    exchange = SimulatedExchange(COMPRESSORS[name](**conformance_settings().get(name, {})), workers,
+                                 min_compress_numel=100)
+    results = []
+    for step in range(steps):
+        for worker in range(workers):
+            generator = torch.Generator().manual_seed(100 * step + worker)
+            exchange.add_worker(worker, [(n, torch.randn(s, generator=generator).to(device)) for n, s in shapes.items()])
+        results.append({n: t.cpu() for n, t in exchange.finish_step().items()})
+    return results

@@ -1,0 +1,78 @@
+"""Worker functions: the raw hook and ``register()`` on their own (nobody takes the figures)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_gradcomp
+from lightning_gradcomp.compressors import TopK
+from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
+                         nn.ReLU(), nn.Linear(512, 10))
+
+
+def check_the_raw_hook_keeps_one_step(rank: int, world_size: int, steps: int) -> None:
+    """``GradCompHookState`` + ``gradcomp_hook`` with telemetry on, exchange thread on and off, and a
+    NaN in rank 1's gradient at one step: the per-step lists (collective log, telemetry entries and
+    events, non-finite flags) stay at one step's worth, the totals count every step, the NaN is reported."""
+    for thread in (False, True):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+        state = GradCompHookState(TopK(0.01), {id(p): n for n, p in model.named_parameters()},
+                                  min_compress_numel=256, exchange_thread=thread)
+        state.telemetry = True
+        ddp.register_comm_hook(state, gradcomp_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                optimizer.zero_grad()
+                poison = float("nan") if step == steps // 2 and rank == 1 else 0.0
+                (nn.functional.cross_entropy(ddp(x), y) + poison * model[0].weight.sum()).backward()
+                if step != steps // 2:
+                    optimizer.step()
+                buckets, parameters = state.hook_calls // (step + 1), len(list(model.parameters()))
+                logged = len(state.driver._log) + (len(state._thread_driver._log) if state._thread_driver else 0)
+                assert logged <= 4 * buckets, (thread, step, logged)  # a few collectives per bucket
+                assert len(state.pipeline.recorder._entries) <= parameters, (thread, step)
+                assert len(state.pipeline.nonfinite._pending) <= buckets, (thread, step)
+                clocks = (state.engine.compress_clock, state.engine.decompress_clock)
+                assert all(len(clock._earlier.events) + len(clock._current.events) <= 4 * buckets for clock in clocks)
+        warned = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+        assert (len(warned) == 1 and f"at step {steps // 2 + 1}" in warned[0]) if rank == 1 else not warned, warned
+        totals = state.totals
+        assert totals.steps == steps - 1 and totals.grad_sq > 0  # the last step closes with the next bucket
+        state.close()
+
+
+def check_register_refuses_what_it_cannot_run(rank: int, world_size: int) -> None:
+    """``load_state_dict(None)`` (what ``state_dict()`` returns on other ranks than 0) says what to pass;
+    compiled autograd's Python reducer is refused before training, and a hook called with a
+    ``(gradient, parameter)`` pair says why."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    handle = lightning_gradcomp.register(ddp, TopK(0.01))
+    entry = handle.state_dict()
+    assert (entry is None) == (rank != 0)
+    if rank != 0:
+        with pytest.raises(ValueError, match=r"state_dict\(\) returns None on the other ranks.*map_location='cpu'"):
+            handle.load_state_dict(entry)
+    with pytest.raises(RuntimeError, match="python_reducer"):
+        handle.hook_state.exchange((torch.zeros(3), torch.zeros(3)))
+    handle.close()
+    from torch._dynamo import config as dynamo_config
+
+    with dynamo_config.patch(optimize_ddp="python_reducer"):
+        compiled = nn.parallel.DistributedDataParallel(_model())
+    with pytest.raises(ValueError, match=r"optimize_ddp='python_reducer'.*allowed: optimize_ddp='ddp_optimizer'"):
+        lightning_gradcomp.register(compiled, TopK(0.01))

@@ -1,0 +1,98 @@
+"""On one GPU: every compressor on CUDA, the real hook on NCCL and on gloo with CUDA tensors, no host
+synchronisation in the hook, flat memory, precisions, save and resume.
+
+``python -m pytest -m cuda`` runs these (about 3 minutes on an H100); without a GPU they are skipped.
+Several ranks share the one GPU on gloo; NCCL refuses two ranks on one GPU, so it runs at world size 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import COMPRESSORS
+
+from tests import _cuda_workers as workers
+from tests._gloo_workers import check_real_equals_simulated
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NAMES = sorted(COMPRESSORS)
+#: Compressors whose draws are per rank on the device's generator (QSGD's and TernGrad's rounding
+#: noise): on CUDA they draw other numbers than on CPU, by design (each rank's noise is its own).
+DEVICE_NOISE = {"qsgd", "terngrad"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_compressor_in_the_simulation_on_cuda_matches_cpu(name: str) -> None:
+    """Deterministic compressors (shared Random-k indices and PowerSGD's first Q included: drawn on the
+    CPU) give the CPU's aggregates up to float rounding; a rounding that lands on the other side of a
+    quantisation step moves a few elements by one step, and error feedback carries such a difference
+    into later steps."""
+    cpu = workers.simulate(name, "cpu")
+    gpu = workers.simulate(name, "cuda")
+    for step, (expected, actual) in enumerate(zip(cpu, gpu)):
+        for param, value in expected.items():
+            assert torch.isfinite(actual[param]).all(), (name, step, param)
+            if name in DEVICE_NOISE:
+                continue
+            close = torch.isclose(actual[param], value, rtol=1e-4, atol=1e-5).float().mean()
+            assert close >= (0.995 if step == 0 else 0.98), (name, step, param, close)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend,world_size", [("nccl", 1), ("gloo", 2)])
+def test_the_real_hook_on_cuda_equals_the_simulation(backend: str, world_size: int) -> None:
+    """Every compressor, exchange thread on and off: the real hook's parameters equal the simulated
+    exchange's on the same GPU, and the bytes counted equal the bytes handed to torch.distributed."""
+    workers.run_on_gpu(check_real_equals_simulated, world_size, backend, NAMES, "cuda", 1e-5)
+
+
+@pytest.mark.multiprocess
+def test_four_gloo_ranks_with_cuda_tensors() -> None:
+    workers.run_on_gpu(check_real_equals_simulated, 4, "gloo", ["topk", "powersgd", "int8", "threshold"], "cuda", 1e-5)
+
+
+@pytest.mark.multiprocess
+def test_no_host_synchronisation_in_the_hook_on_nccl() -> None:
+    """``torch.cuda.set_sync_debug_mode("error")`` around steps of every fixed-size compressor."""
+    workers.run_on_gpu(workers.check_no_sync_in_the_hook, 1, "nccl")
+
+
+@pytest.mark.multiprocess
+def test_memory_stays_flat_over_2000_raw_hook_steps() -> None:
+    workers.run_on_gpu(workers.check_flat_memory, 1, "nccl", 2000)
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_on_nccl_is_gathered_on_the_host_and_resumes_exactly() -> None:
+    workers.run_on_gpu(workers.check_nccl_checkpoint_gathers_on_the_host, 1, "nccl")
+
+
+@pytest.mark.multiprocess
+def test_lightning_precisions_save_and_resume_on_one_gpu(tmp_path: Path) -> None:
+    """32-true, bf16-mixed, 16-mixed (a compressor without memory; Top-k's error feedback is refused),
+    bf16-true (residuals in fp32); save and resume with the exchange thread and without: the resumed
+    run equals the uninterrupted one bit for bit."""
+    out = tmp_path / "results.json"
+    script = Path(__file__).parent / "scripts" / "cuda_lightning.py"
+    proc = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = json.loads(out.read_text())
+    for key in ("32-true", "32-true-hook", "bf16-mixed", "16-mixed", "bf16-true", "bf16-true-powersgd"):
+        run = results[key]
+        assert run["finite"] and run["steps"] == 48, (key, results)
+        assert run["last_loss"] < 0.9 * run["first_loss"], (key, results)
+    assert results["bf16-true"]["param_dtype"] == "torch.bfloat16"
+    assert results["bf16-true"]["residual_dtypes"] == ["torch.float32"]
+    assert results["bf16-true-powersgd"]["residual_dtypes"] == ["torch.float32"]
+    assert "precision='16-mixed'" in results["16-mixed-topk-refused"]
+    assert results["resume-thread"] and results["resume-hook"]

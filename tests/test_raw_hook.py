@@ -1,0 +1,21 @@
+"""The raw hook and ``register()`` in real gloo processes: bounded per-step state, clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_gloo
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_the_raw_hook_keeps_no_more_than_one_step_of_figures() -> None:
+    from tests._raw_hook_workers import check_the_raw_hook_keeps_one_step
+
+    run_gloo(check_the_raw_hook_keeps_one_step, 2, 40)
+
+
+def test_register_refuses_what_it_cannot_run_with_a_clear_message() -> None:
+    from tests._raw_hook_workers import check_register_refuses_what_it_cannot_run
+
+    run_gloo(check_register_refuses_what_it_cannot_run, 2)
