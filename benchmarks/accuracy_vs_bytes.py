@@ -3,17 +3,17 @@
     python benchmarks/accuracy_vs_bytes.py [--epochs 3] [--workers 4] [--seeds 0 1 2] [--suite grid|adaptive] [--plot out.png]
 
 Fashion-MNIST (offline: ``apt-get install dataset-fashion-mnist``), a 784-256-128-10 MLP, ``workers``
-workers simulated on one device (000 §3.2) with batch 64 per worker, SGD. ``grid`` is 000's table:
+workers simulated on one device (Harris 2020, §3.2) with batch 64 per worker, SGD. ``grid`` is Harris 2020's table:
 Top-k and DGC at 50x/500x/5000x, QSGD with 64/16/4 levels, hard threshold (λ = 1/(2√k) for k = 0.1% of
 the model per step), uncompressed; and the families added since: PowerSGD (rank 2 and 4), signSGD with
 majority vote, EF-signSGD, TernGrad, the int8 / int4 / fp8 quantised all-reduce. ``adaptive`` is paper
-004's comparison: uncompressed, constant 8-bit, and the adaptive schedule.
+Tirupati et al.'s comparison: uncompressed, constant 8-bit, and the adaptive schedule.
 
 Every setting runs once per seed (``--seeds``; the seed drives the initialisation, the data order and
 the compressors' generators) and the table reports the mean ± sample standard deviation over seeds of
 the final test accuracy, with the bytes each worker handed to the collectives over training, the
 measured compression ratio and average density, wall time, and the communication time estimated on a
-10 Gbit/s parameter server (000's setting). The plot shows the spread as error bars.
+10 Gbit/s parameter server (Harris 2020's setting). The plot shows the spread as error bars.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.examples.vision import FashionMNISTDataModule, ImageClassifier
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import GradCompSimStrategy
 
 NETWORK = Network(bandwidth_gbps=10, latency_us=50, topology="parameter_server")

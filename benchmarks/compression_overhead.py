@@ -46,7 +46,7 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
-from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback
+from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, WorkerPipeline
 
 
 def compressors(x: torch.Tensor) -> dict[str, object]:

@@ -6,7 +6,7 @@
 For every preset in ``configs/compressors/`` and every N: one step of N simulated workers (random
 Gaussian gradients with the model's parameter shapes, DDP's default ``min_compress_numel``), the bytes
 each worker hands to torch.distributed (what a real rank would hand over: the simulation counts them
-from the same engine), and the communication time the network model (``lightning_gradcomp.netmodel``)
+from the same engine), and the communication time the network model (``lightning_gradcomp.metrics.netmodel``)
 estimates for those collectives on a ring and on a parameter server. Dense fp32 and fp16 all-reduce
 are the reference rows. The last column is the number of workers from which a compressor's ring time
 exceeds dense fp32's: every worker of a gathered compressor receives N - 1 payloads, while an
@@ -26,7 +26,7 @@ import yaml
 
 from _timing import print_table
 from lightning_gradcomp.compressors import FP16, NoCompression
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import SimulatedExchange
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "compressors"

@@ -79,7 +79,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
 
     from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, Int8AllReduce, PowerSGD, TopK
     from _timing import ddp_step_times
-    from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+    from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

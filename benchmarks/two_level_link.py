@@ -62,8 +62,8 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, powerSGD_hook
 
     from lightning_gradcomp.compressors import DGC, PowerSGD, TopK
-    from lightning_gradcomp.hierarchy import HierarchicalHookState, node_groups
-    from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+    from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, node_groups
+    from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
     from _timing import ddp_step_times
     from slow_link import build_model
 
@@ -137,7 +137,7 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def _rate_gbps(rate: str) -> float:
-    from lightning_gradcomp.estimate import parse_bandwidth
+    from lightning_gradcomp.tools.estimate import parse_bandwidth
 
     return parse_bandwidth(rate)
 
@@ -159,7 +159,7 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out)
         return
-    from lightning_gradcomp.netmodel import Network
+    from lightning_gradcomp.metrics.netmodel import Network
 
     create_nodes(args.rate)
     network = Network(_rate_gbps(args.rate), 50.0, local_size=LOCAL_SIZE, intra_bandwidth_gbps=args.intra_gbps,

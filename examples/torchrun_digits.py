@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_gradcomp
 from lightning_gradcomp.examples.digits import DigitsDataModule, digits_mlp
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 
 
 def main() -> None:

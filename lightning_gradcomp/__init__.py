@@ -30,14 +30,14 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
+from lightning_gradcomp.ddp.handle import GradCompHandle, register
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
-from lightning_gradcomp.fabric import GradCompFabricStrategy
-from lightning_gradcomp.handle import GradCompHandle, register
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.simulation import GradCompSimStrategy
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.lightning.fabric import GradCompFabricStrategy
+from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
+from lightning_gradcomp.lightning.strategy import GradCompStrategy
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from lightning_gradcomp.cli import main
+from lightning_gradcomp.tools.cli import main
 
 main()

@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_gradcomp
 from lightning_gradcomp.compressors import COMPRESSORS, TopK
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
 from tests._sync_workers import fixed_size_variants
 from tests.conftest import free_port

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gradcomp.compressors import BF16, DGC, FP16, QSGD, CompressContext, HardThreshold, NoCompression, RandomK, TopK
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
 
 class ListBucket:
@@ -359,7 +359,7 @@ def check_hierarchical_equals_simulated(rank: int, world_size: int, names: list[
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp.compressors import COMPRESSORS
-    from lightning_gradcomp.hierarchy import HierarchicalHookState, local_average, node_groups
+    from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, local_average, node_groups
     from lightning_gradcomp.simulation import SimulatedExchange
 
     nodes, local_size = 2, world_size // 2

@@ -1,6 +1,6 @@
 """A check that code does not read device values on the host, runnable on a machine without a GPU.
 
-Inside :func:`no_host_reads`, under :func:`~lightning_gradcomp.compressors.device.accelerator_path`
+Inside :func:`no_host_reads`, under :func:`~lightning_gradcomp.core.device.accelerator_path`
 (CPU tensors take the accelerator path), any ATen call that reads a value on the host or sizes a
 result by the data fails: ``aten._local_scalar_dense`` (``bool(t)``, ``t.item()``, ``float(t)``),
 ``aten.nonzero``, ``aten.masked_select``, indexing with a boolean mask, and ``Tensor.tolist``. On a GPU
@@ -20,9 +20,9 @@ from typing import Any, Callable, Generator, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gradcomp.compressors.device import accelerator_path
+from lightning_gradcomp.core.device import accelerator_path
 from lightning_gradcomp.exchange.engine import ExchangeEngine
-from lightning_gradcomp.hook import GradCompHookState
+from lightning_gradcomp.ddp.hook import GradCompHookState
 
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::nonzero_static"}
 

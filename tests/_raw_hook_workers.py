@@ -10,7 +10,7 @@ from torch import nn
 
 import lightning_gradcomp
 from lightning_gradcomp.compressors import TopK
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
 
 def _model() -> nn.Module:

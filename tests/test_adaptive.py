@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_gradcomp.callbacks import AdaptiveCompression, GradientNormTrigger
-from lightning_gradcomp.callbacks.adaptive import critical_layers
+from lightning_gradcomp.lightning.callbacks.adaptive import critical_layers
 from lightning_gradcomp.compressors import QSGD
 
 LEVELS = [{"bits": 4}, {"bits": 8}, {"bits": 16}, None]
@@ -66,7 +66,7 @@ def test_adaptive_rejects_bad_settings(kwargs, match) -> None:
 
 
 def test_level_keys_must_be_compressor_parameters() -> None:
-    from lightning_gradcomp.callbacks.adaptive import check_level_keys
+    from lightning_gradcomp.lightning.callbacks.adaptive import check_level_keys
 
     check_level_keys(QSGD(), LEVELS, "test")
     with pytest.raises(ValueError, match="a level sets `density`, which QSGD does not have; allowed: bucket_size, levels"):
@@ -116,7 +116,7 @@ def test_both_ranks_use_the_same_level_at_every_step(lightning_runs) -> None:
 
 
 def test_an_uncompressed_level_is_refused_for_dgc() -> None:
-    from lightning_gradcomp.callbacks.adaptive import check_level_keys
+    from lightning_gradcomp.lightning.callbacks.adaptive import check_level_keys
     from lightning_gradcomp.compressors import DGC
 
     with pytest.raises(ValueError, match=r"an uncompressed level \(None\) would drop DGC's momentum"):

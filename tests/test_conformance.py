@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import COMPRESSORS, CompressContext, Compressor, Payload, TopK
-from lightning_gradcomp.exchange.protocol import AllToAll, Mean, Outcome, Received
+from lightning_gradcomp.core.protocol import AllToAll, Mean, Outcome, Received
 from lightning_gradcomp.simulation import SimulatedExchange
 
 from tests._gloo_workers import conformance_settings

@@ -172,7 +172,7 @@ def test_density_one_after_sparse_steps_flushes_the_velocity() -> None:
 def test_fp16_mixed_precision_is_refused_with_memory_but_not_without() -> None:
     from types import SimpleNamespace
 
-    from lightning_gradcomp.pipeline import check_fit_setup
+    from lightning_gradcomp.lightning.options import check_fit_setup
 
     scaled = SimpleNamespace(scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"precision='16-mixed' .* allowed: precision='bf16-mixed'"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_gradcomp.cli import main
-from lightning_gradcomp.estimate import build_model, parse_bandwidth, parse_latency, run
+from lightning_gradcomp.tools.cli import main
+from lightning_gradcomp.tools.estimate import build_model, parse_bandwidth, parse_latency, run
 
 TINY = ["--model", "mlp:64,256,256,10", "--batch-shape", "16,64", "--repeats", "1", "--threads", "1"]
 

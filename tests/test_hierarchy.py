@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_gradcomp.compressors import COMPRESSORS
-from lightning_gradcomp.hierarchy import partition
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.ddp.hierarchy import partition
+from lightning_gradcomp.metrics.netmodel import Network
 from tests.conftest import run_gloo
 
 

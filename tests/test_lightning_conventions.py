@@ -9,7 +9,7 @@ from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_gradcomp import GradCompFabricStrategy, GradCompSimStrategy, GradCompStrategy
-from lightning_gradcomp.checkpointing import RestoresCompressionState
+from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 
 
 def test_lightning_ddp_still_calls_the_private_hook_we_override() -> None:

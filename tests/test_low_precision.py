@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.compressors import DGC, FP8AllReduce, Int8AllReduce, PowerSGD, SignSGD, TopK
-from lightning_gradcomp.pipeline import check_fit_setup
+from lightning_gradcomp.lightning.options import check_fit_setup
 from lightning_gradcomp.simulation import GradCompSimStrategy, SimulatedExchange
 
 

@@ -7,8 +7,8 @@ import torch
 
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.compressors import QSGD, CompressContext, HardThreshold, RandomK, TopK
-from lightning_gradcomp.compressors.base import all_finite
-from lightning_gradcomp.memory import CompressionMemory
+from lightning_gradcomp.core.tensors import all_finite
+from lightning_gradcomp.exchange.memory import CompressionMemory
 
 
 def _subtract(compressor, payload):

@@ -8,7 +8,7 @@ import torch
 
 from lightning_gradcomp.compressors import QSGD, FP8AllReduce, Int4AllReduce, Int8AllReduce
 from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import SimulatedExchange
 
 #: Relative error of one step's average for Gaussian gradients (block size 256): about half a code step.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradcomp.cli import build_cli
+from lightning_gradcomp.tools.cli import build_cli
 from lightning_gradcomp.examples.language import EOS, UNK, PTBDataModule, batchify
 
 ROOT = Path(__file__).resolve().parents[1]

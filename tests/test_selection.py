@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import DGC, HardThreshold, TopK
-from lightning_gradcomp.compressors.base import CompressContext, all_finite
+from lightning_gradcomp.compressors.base import CompressContext
+from lightning_gradcomp.core.tensors import all_finite
 from lightning_gradcomp.compressors.dgc import MOMENTUM, VELOCITY
 from lightning_gradcomp.compressors.selection import (
     block_layout,

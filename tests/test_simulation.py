@@ -68,7 +68,7 @@ def test_distributed_order_batches_interleave_the_ranks() -> None:
 
 
 class TinyLSTM(L.LightningModule):
-    """Keeps one hidden state per simulated worker, as 000's Algorithm 1 does."""
+    """Keeps one hidden state per simulated worker, as Harris 2020's Algorithm 1 does."""
 
     def __init__(self) -> None:
         super().__init__()

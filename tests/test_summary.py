@@ -6,9 +6,10 @@ import pytest
 from torch import nn
 
 import lightning_gradcomp
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import CollectiveTally, dense_time, format_summary
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.summary import dense_time, format_summary
+from lightning_gradcomp.metrics.tally import CollectiveTally
 
 
 def _step(nbytes: int) -> StepStats:

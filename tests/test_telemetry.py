@@ -6,7 +6,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 from tests import _gloo_workers as workers
 from tests.conftest import run_gloo
 
@@ -29,7 +29,7 @@ def test_all_gather_and_parameter_server_formulas() -> None:
     ring = Network(bandwidth_gbps=10, latency_us=10)
     assert ring.all_gather_time(1e6, 8) == pytest.approx(7 * 10e-6 + 7 * 1e6 / 1.25e9)
     ps = Network(bandwidth_gbps=10, latency_us=0, topology="parameter_server")
-    # 000's estimate: push and pull of the payload over one 10 Gbit/s link
+    # Harris 2020's estimate: push and pull of the payload over one 10 Gbit/s link
     assert ps.all_reduce_time(100e6, 4) == pytest.approx(2 * 100e6 / 1.25e9)
     assert ps.all_gather_time(1e6, 4) == pytest.approx((1e6 + 4e6) / 1.25e9)
     bottleneck = Network(bandwidth_gbps=10, latency_us=0, topology="parameter_server", server_bandwidth_gbps=10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_gradcomp.callbacks import DGCWarmup
-from lightning_gradcomp.callbacks.warmup import paper_densities
+from lightning_gradcomp.lightning.callbacks.warmup import paper_densities
 
 
 def test_paper_sequence_by_epoch() -> None:

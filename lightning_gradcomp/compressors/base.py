@@ -1,7 +1,7 @@
 """The one interface every compressor implements.
 
 A compressor's exchange of one tensor is a short protocol of rounds (:meth:`Compressor.exchange`, see
-:mod:`lightning_gradcomp.exchange.protocol`): it yields the requests of each round (an average over
+:mod:`lightning_gradcomp.core.protocol`): it yields the requests of each round (an average over
 workers, a gather of every worker's parts), receives their results, and returns what was sent and how
 to write the aggregate. The engine runs the protocols of all tensors of a DDP bucket in lock-step and
 merges their requests into one collective per kind and round; the real driver (the DDP hook) and the
@@ -22,26 +22,34 @@ A multi-round method (PowerSGD) overrides :meth:`Compressor.exchange` and
 :meth:`Compressor.wire_format`. See ``docs/adding-a-compressor.md``.
 
 Compressors hold only hyper-parameters. Per-parameter state (DGC momenta, PowerSGD's warm-started
-``Q``) lives in :class:`~lightning_gradcomp.memory.CompressionMemory` and reaches the compressor through
+``Q``) lives in :class:`~lightning_gradcomp.exchange.memory.CompressionMemory` and reaches the compressor through
 :class:`CompressContext`, so the same object serves every parameter, every worker and the simulator,
 and the state is checkpointed.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from abc import ABC
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.device import host_reads_allowed
-from lightning_gradcomp.exchange.protocol import Gather, Mean, Outcome, Protocol, Round
+# The helpers a compressor needs, importable from here by compressor authors:
+from lightning_gradcomp.core.checks import check_bool, check_density, check_int  # noqa: F401
+from lightning_gradcomp.core.protocol import Gather, Mean, Outcome, Protocol, Round
+from lightning_gradcomp.core.tensors import (  # noqa: F401
+    Finite,
+    all_finite,
+    both_finite,
+    itemsize,
+    keep_if_finite,
+    squared_norm,
+)
 
 #: name -> compressor class, filled by :meth:`Compressor.__init_subclass__`.
 COMPRESSORS: dict[str, type["Compressor"]] = {}
@@ -83,7 +91,7 @@ class CompressContext:
             compressor is to find it itself (:attr:`Compressor.checks_finite`).
         dtype: the gradient's dtype, in which values cross the wire (:meth:`wire_dtype`). The tensor handed
             to the compressor may be wider: under error feedback it is ``g + e`` in fp32 (residuals are
-            kept in fp32 whatever the gradient's dtype, :func:`~lightning_gradcomp.compressors.device.state_dtype`).
+            kept in fp32 whatever the gradient's dtype, :func:`~lightning_gradcomp.core.device.state_dtype`).
             ``None``: the tensor's own dtype.
     """
 
@@ -97,6 +105,25 @@ class CompressContext:
     finite: "Optional[Finite]" = True
     dtype: Optional[torch.dtype] = None
 
+    def commit(self, key: str, new: Tensor, check_result: bool = False) -> None:
+        """Keep ``new`` as this parameter's state ``key``, the one rule for compressor state: unless the
+        gradient was not finite (:attr:`finite`), in which case the previous value stays (or none).
+
+        During compression :attr:`finite` is this worker's own gradient's finiteness; after the
+        protocol's last round it is the bucket's verdict on every worker, so state computed from the
+        exchange's results (PowerSGD's ``Q``, an owner residual) is committed alike on every worker.
+        ``check_result=True`` also refuses a ``new`` that is itself not finite (an overflow in the
+        exchange's arithmetic). With a tensor flag, an element-wise select: no host read."""
+        previous = self.state.get(key)
+        if previous is not None and previous.shape != new.shape:
+            previous = None
+        finite = both_finite(self.finite, all_finite(new)) if check_result else self.finite
+        kept = keep_if_finite(new, previous, finite)
+        if kept is None:
+            self.state.pop(key, None)
+        else:
+            self.state[key] = kept
+
     def wire_dtype(self, tensor: Tensor) -> torch.dtype:
         """The dtype of values sent for ``tensor``: the gradient's (:attr:`dtype`), else the tensor's."""
         return self.dtype if self.dtype is not None else tensor.dtype
@@ -106,7 +133,7 @@ class CompressContext:
 
         Stateless seeding makes draws reproducible after a resume and, with ``per_rank=False``,
         identical on every worker (shared Random-k indices), provided ``device`` is the CPU for those
-        (:func:`~lightning_gradcomp.compressors.device.shared_draw_generator_device`): a GPU generator's
+        (:func:`~lightning_gradcomp.core.device.shared_draw_generator_device`): a GPU generator's
         stream depends on the GPU model.
         """
         key = f"{self.seed}/{self.step}/{self.name}/{self.rank if per_rank else -1}"
@@ -119,7 +146,7 @@ class Compressor(ABC):
     """Base class of all compressors. Subclasses set :attr:`name` to register themselves."""
 
     name: ClassVar[str] = ""
-    #: Biased compressors get error feedback by default (DESIGN §2).
+    #: Biased compressors get error feedback by default (Stich et al. 2018; Karimireddy et al. 2019).
     biased: ClassVar[bool] = True
     #: The compressor keeps its own residual (DGC's velocity): the generic error feedback stays off.
     owns_residual: ClassVar[bool] = False
@@ -169,7 +196,7 @@ class Compressor(ABC):
                     world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
         """Per round, ``(dtype, numel)`` of every tensor this worker hands over for one parameter of
         ``shape`` among ``world_size`` workers, when its payload carries ``count`` coordinates (default:
-        the static count). An :class:`~lightning_gradcomp.exchange.protocol.AllToAll` request lists its
+        the static count). An :class:`~lightning_gradcomp.core.protocol.AllToAll` request lists its
         parts destination after destination.
 
         The conformance suite checks it against what the drivers are handed."""
@@ -237,7 +264,7 @@ class Compressor(ABC):
             )
 
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
-        """The protocol of one tensor (a generator; see :mod:`lightning_gradcomp.exchange.protocol`).
+        """The protocol of one tensor (a generator; see :mod:`lightning_gradcomp.core.protocol`).
 
         Default, one round: ``compress``; all-reducible parts are averaged and decoded once, other
         payloads are gathered and every worker's is decoded with weight ``1/N``; then :meth:`finalize`.
@@ -281,72 +308,9 @@ class Compressor(ABC):
         return {}
 
 
-def squared_norm(tensor: Tensor) -> Tensor:
-    """``‖tensor‖²`` as a 0-d float64 tensor on the tensor's device (one pass, no copy)."""
-    return torch.linalg.vector_norm(tensor).double() ** 2
-
-
-@functools.lru_cache(maxsize=None)
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def sparse_count(density: float, numel: int) -> int:
     """Number of elements Top-k and Random-k keep: ``max(1, round(density * numel))``."""
     return max(1, min(numel, int(round(density * numel))))
-
-
-#: Whether a gradient is finite: a Python bool on CPU, a 0-d bool tensor on accelerators (no host sync).
-Finite = Union[bool, Tensor]
-
-
-def all_finite(tensor: Tensor) -> Finite:
-    """Whether every element of ``tensor`` is finite, in one reduction pass.
-
-    A sum is NaN or infinite whenever an element is (``inf - inf`` is NaN), so one sum (in fp32 for 16-bit
-    inputs) decides; a sum that overflows although every element is finite (values near 1e38) also
-    counts as non-finite, which the averaged result would be anyway. On CPU the answer is a bool; on
-    other devices a 0-d tensor, so that the hook never waits for the device
-    (:func:`~lightning_gradcomp.compressors.device.host_reads_allowed`).
-    """
-    total = tensor.sum(dtype=torch.float32) if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.sum()
-    finite = torch.isfinite(total)
-    return bool(finite) if host_reads_allowed(tensor.device) else finite
-
-
-def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:
-    """``new`` if ``finite``, else ``previous`` (``None``: nothing yet): state is never replaced by the
-    result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync)."""
-    if finite is True:
-        return new
-    if finite is False:
-        return previous
-    fallback = previous if previous is not None and previous.shape == new.shape else torch.zeros_like(new)
-    return torch.where(finite, new, fallback)
-
-
-def check_density(density: float, parameter: str = "density") -> float:
-    """Validate a density in (0, 1]."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0) \
-            or math.isnan(float(density)):
-        raise ValueError(f"`{parameter}` must be a number in (0, 1], got {density!r}")
-    return float(density)
-
-
-def check_int(value: int, parameter: str, low: int, high: Optional[int] = None) -> int:
-    """Validate an integer in ``[low, high]``."""
-    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        raise ValueError(f"`{parameter}` must be {allowed}, got {value!r}")
-    return value
-
-
-def check_bool(value: bool, parameter: str) -> bool:
-    """Validate a boolean (strings such as ``"no"`` are refused, not read as True)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{parameter}` must be True or False, got {value!r}")
-    return value
 
 
 def get_compressor(spec: "Compressor | str") -> Compressor:

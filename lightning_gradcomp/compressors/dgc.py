@@ -14,11 +14,10 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     check_bool,
     check_density,
-    keep_if_finite,
     sparse_count,
     squared_norm,
 )
-from lightning_gradcomp.exchange.protocol import Outcome
+from lightning_gradcomp.core.protocol import Outcome
 from lightning_gradcomp.compressors.selection import check_selection, topk_indices
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
 
@@ -28,7 +27,7 @@ VELOCITY = "velocity"
 
 class DGC(HasDensity, _ValuesAndIndices):
     r"""Deep Gradient Compression: sparse exchange with momentum correction, momentum-factor masking,
-    local gradient clipping and sampled threshold selection (000 §3.1.2; 001).
+    local gradient clipping and sampled threshold selection (Lin et al. 2018; Harris 2020, §3.1.2).
 
     Per worker and parameter, with momentum ``m`` (Nesterov variant in brackets)::
 
@@ -53,7 +52,7 @@ class DGC(HasDensity, _ValuesAndIndices):
     entries, so no size exchange is needed.
 
     Args:
-        density: fraction of elements sent, in (0, 1]; :class:`~lightning_gradcomp.callbacks.DGCWarmup`
+        density: fraction of elements sent, in (0, 1]; :class:`~lightning_gradcomp.lightning.callbacks.DGCWarmup`
             moves it during warm-up.
         momentum: ``m`` in [0, 1).
         clip_norm: local gradient clipping threshold (per tensor), or None for no clipping.
@@ -122,9 +121,9 @@ class DGC(HasDensity, _ValuesAndIndices):
     # ------------------------------------------------------------------ the algorithm
     def _momentum_update(self, grad: Tensor, ctx: CompressContext) -> tuple[Tensor, Tensor, bool]:
         """Clip, then ``u <- m u + g`` (one fused pass). Returns the increment of ``v``, the new ``u`` (not
-        yet stored, see :meth:`_store`) and whether the state may be updated in place (a finite gradient on
-        CPU: nothing can turn the state non-finite, and in-place updates spare allocations of the tensor's
-        size, which cost page faults on CPU)."""
+        yet committed, see :meth:`CompressContext.commit`) and whether the state may be updated in place
+        (a finite gradient on CPU: nothing can turn the state non-finite, and in-place updates spare
+        allocations of the tensor's size, which cost page faults on CPU)."""
         grad = grad.float() if grad.dtype != torch.float32 and grad.dtype != torch.float64 else grad
         if self.clip_norm is not None:
             limit = self.clip_norm * (ctx.world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
@@ -139,34 +138,24 @@ class DGC(HasDensity, _ValuesAndIndices):
         increment = torch.add(grad, momentum, alpha=self.momentum) if self.nesterov else momentum
         return increment, momentum, in_place
 
-    @staticmethod
-    def _store(ctx: CompressContext, key: str, new: Optional[Tensor], previous: Optional[Tensor]) -> None:
-        """Keep ``new`` as state, unless the gradient was not finite (then ``previous`` stays)."""
-        kept = new if new is None else keep_if_finite(new, previous, ctx.finite)
-        if kept is None:
-            ctx.state.pop(key, None)
-        else:
-            ctx.state[key] = kept
-
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """Tensors sent dense still receive momentum: momentum SGD, nothing delayed."""
-        previous = ctx.state.get(MOMENTUM)
         increment, momentum, _ = self._momentum_update(tensor, ctx)
-        self._store(ctx, MOMENTUM, momentum, previous)
+        ctx.commit(MOMENTUM, momentum)
         return increment.to(tensor.dtype, copy=True)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
-        previous_momentum, previous_velocity = ctx.state.get(MOMENTUM), ctx.state.get(VELOCITY)
+        previous_velocity = ctx.state.get(VELOCITY)
         increment, momentum, in_place = self._momentum_update(tensor, ctx)
         if k == numel:  # density 1: momentum SGD, nothing delayed, no masking; a velocity left over is sent too
             sent = increment if previous_velocity is None else increment + previous_velocity
-            self._store(ctx, MOMENTUM, momentum, previous_momentum)
+            ctx.commit(MOMENTUM, momentum)
             if ctx.finite is True:  # the velocity was flushed
                 ctx.state.pop(VELOCITY, None)
             elif previous_velocity is not None:
-                self._store(ctx, VELOCITY, torch.zeros_like(previous_velocity), previous_velocity)
+                ctx.commit(VELOCITY, torch.zeros_like(previous_velocity))
             return Payload((sent.to(ctx.wire_dtype(tensor), copy=True), increment.new_empty(0, dtype=torch.int32)),
                            numel, numel)
         if previous_velocity is None or previous_velocity.shape != increment.shape:
@@ -187,8 +176,8 @@ class DGC(HasDensity, _ValuesAndIndices):
         payload = Payload((values.to(ctx.wire_dtype(tensor)), indices.to(torch.int32)), numel, k)
         velocity.index_fill_(0, selected, 0.0)  # momentum-factor masking, on this step's own tensors
         momentum.index_fill_(0, selected, 0.0)
-        self._store(ctx, VELOCITY, velocity, previous_velocity)
-        self._store(ctx, MOMENTUM, momentum, previous_momentum)
+        ctx.commit(VELOCITY, velocity)
+        ctx.commit(MOMENTUM, momentum)
         return payload
 
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:

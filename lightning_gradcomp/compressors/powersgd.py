@@ -13,13 +13,11 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import (
     CompressContext,
     Compressor,
-    all_finite,
     check_bool,
     check_int,
-    keep_if_finite,
 )
-from lightning_gradcomp.compressors.device import shared_draw_generator_device, to_device
-from lightning_gradcomp.exchange.protocol import Mean, Outcome, Protocol, Round
+from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
+from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round
 
 Q_STATE = "q"
 
@@ -119,8 +117,8 @@ class PowerSGD(Compressor):
         (p_mean,) = yield Round([Mean(local @ q)])
         p_hat = orthogonalize(p_mean.clone())
         (q_mean,) = yield Round([Mean(local.T @ p_hat)], last=True)
-        if self.warm_start:
-            self._keep_q(ctx, q_mean, m, r)
+        if self.warm_start:  # committed like the bucket on every worker; a void step keeps the last Q
+            ctx.commit(Q_STATE, q_mean.clone(), check_result=True)
 
         def subtract(residual: Tensor) -> None:
             residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
@@ -140,21 +138,6 @@ class PowerSGD(Compressor):
         # the same Q on every worker: drawn on the CPU (a GPU generator's draws depend on the GPU model)
         generator = ctx.generator(shared_draw_generator_device(), per_rank=False)
         return to_device(torch.randn(m, r, generator=generator, dtype=dtype), device)
-
-    @staticmethod
-    def _keep_q(ctx: CompressContext, q_mean: Tensor, m: int, r: int) -> None:
-        """Warm start: keep the averaged ``Q``. When any worker's gradient was not finite the average is
-        NaN on every worker, so each keeps its last ``Q`` (or none), all alike."""
-        previous = ctx.state.get(Q_STATE)
-        previous = previous if previous is not None and previous.shape == (m, r) else None
-        # ctx.finite is False on every worker when any gradient of the bucket was not finite (a void step)
-        finite = ctx.finite if ctx.finite is not True else all_finite(q_mean)
-        kept = keep_if_finite(q_mean.clone(), previous, finite)
-        if kept is None:
-            ctx.state.pop(Q_STATE, None)
-        else:
-            ctx.state[Q_STATE] = kept
-
 
 def orthogonalize(matrix: Tensor) -> Tensor:
     """Gram–Schmidt on the columns of ``matrix`` (in place; returned). A zero column stays zero."""

@@ -24,8 +24,8 @@ class QSGD(Compressor):
         l = \lfloor s |v_i| / \|v\|_2 \rfloor,
 
     where :math:`\xi_i = (l + 1)/s` with probability :math:`s|v_i|/\|v\|_2 - l` and :math:`l/s` otherwise,
-    so :math:`\mathbb{E}[Q_s(v)] = v` (unbiased; error feedback is off by default). Paper 002 prints the
-    two probabilities swapped, which is biased; this follows the original paper (000 §3.1.3).
+    so :math:`\mathbb{E}[Q_s(v)] = v` (unbiased; error feedback is off by default). Kothari et al. (2021)
+    print the two probabilities swapped, which is biased; this follows the original paper.
 
     Computed as one stochastic rounding of the signed level: with :math:`y_i = s v_i / \|v\|_2` and
     :math:`u_i \sim U[0, 1)`, the code is :math:`c_i = \lfloor s + y_i + u_i \rfloor \in [0, 2s]`, so
@@ -34,7 +34,7 @@ class QSGD(Compressor):
 
     Wire: one fp32 norm per bucket and, per element, the code ``c_i`` (offset binary: the signed level
     plus ``s``) bit-packed in :math:`b = \lceil\log_2(2s+1)\rceil = \lceil\log_2(s+1)\rceil + 1` bits,
-    so ``s = 64, 16, 4`` cost 8, 6 and 4 bits (000 counts 7/5/3 by leaving the sign out). Randomness
+    so ``s = 64, 16, 4`` cost 8, 6 and 4 bits (Harris 2020 counts 7/5/3 by leaving the sign out). Randomness
     comes from a per-step, per-worker generator (on CPU at 16-bit resolution, see :func:`offset_uniform`).
 
     Args:
@@ -66,7 +66,7 @@ class QSGD(Compressor):
         r"""Bits per element on the wire: level bits plus a sign bit, :math:`\lceil\log_2(s+1)\rceil + 1`.
 
         Setting ``bits = b`` (2 to 32) picks ``levels = 2**(b - 1) - 1``, the most levels a ``b``-bit code
-        holds: the ``b``-bit quantiser a schedule moves along (``bits=8`` is paper 004's 8-bit baseline).
+        holds: the ``b``-bit quantiser a schedule moves along (``bits=8`` is Tirupati et al.'s 8-bit baseline).
         """
         return math.ceil(math.log2(self.levels + 1)) + 1
 

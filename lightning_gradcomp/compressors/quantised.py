@@ -34,14 +34,12 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import (
     CompressContext,
     Compressor,
-    all_finite,
     check_bool,
     check_int,
-    keep_if_finite,
 )
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.compressors.selection import peak_magnitudes
-from lightning_gradcomp.exchange.protocol import AllToAll, Gather, Outcome, Protocol, Round
+from lightning_gradcomp.core.protocol import AllToAll, Gather, Outcome, Protocol, Round
 
 OWNER_RESIDUAL = "owner_residual"
 
@@ -116,11 +114,8 @@ class _QuantisedAllReduce(Compressor):
         owner_codes, owner_scales = self._encode(mean)
         owner_residual = mean.sub_(self._decode(owner_codes, owner_scales)) if self.owner_error_feedback else None
         (gathered,) = yield Round([Gather((owner_codes, owner_scales))], last=True)
-        if owner_residual is not None:  # ctx.finite is final now: a void step keeps the old residual
-            finite = ctx.finite if ctx.finite is not True else all_finite(owner_residual)
-            kept = keep_if_finite(owner_residual, previous, finite)
-            if kept is not None:
-                ctx.state[OWNER_RESIDUAL] = kept
+        if owner_residual is not None:  # ctx.finite is the bucket's verdict now: a void step keeps the old one
+            ctx.commit(OWNER_RESIDUAL, owner_residual, check_result=True)
 
         def write(out: Tensor) -> None:
             chunks = torch.stack([self._decode(*row.parts).view(-1)[:chunk] for row in gathered])

@@ -20,7 +20,7 @@ tensor on CPU). Three methods return the indices of the ``k`` largest ``|x_i|`` 
 
 The three choose the same set up to ties at the ``k``-th magnitude, so training is bit for bit the same.
 Where the host may not read device values (accelerators, see
-:func:`~lightning_gradcomp.compressors.device.host_reads_allowed`), ``"sampled"`` uses the blocks: its
+:func:`~lightning_gradcomp.core.device.host_reads_allowed`), ``"sampled"`` uses the blocks: its
 candidate count depends on the data, a host synchronisation per tensor, and the set is the same.
 
 :func:`select_topk` also says whether the tensor was finite: the block peaks are maxima, and a maximum is
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Finite, all_finite
-from lightning_gradcomp.compressors.device import host_reads_allowed
+from lightning_gradcomp.core.device import host_reads_allowed
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, keep_if_finite
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
-from lightning_gradcomp.exchange.protocol import Gather, Outcome, Protocol, Round
+from lightning_gradcomp.core.protocol import Gather, Outcome, Protocol, Round
 
 #: Signum's momentum in the compressor's per-parameter state.
 MOMENTUM = "momentum"
@@ -136,9 +136,7 @@ class SignSGD(_ScaledSigns):
             momentum = grad * (1.0 - self.momentum)
         else:
             momentum = torch.add(previous * self.momentum, grad, alpha=1.0 - self.momentum)
-        kept = keep_if_finite(momentum, previous, ctx.finite)
-        if kept is not None:
-            ctx.state[MOMENTUM] = kept
+        ctx.commit(MOMENTUM, momentum)
         return momentum
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:

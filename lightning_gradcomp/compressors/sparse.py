@@ -2,7 +2,7 @@
 
 Wire format of a sparse payload: ``values`` in the gradient's dtype and ``indices`` as int32 (a single
 tensor of 2**31 elements or more is refused by the hook), so an fp32 gradient at density ``k/d`` costs
-``8k`` bytes instead of ``4d``: density 0.01 is a 50x ratio, 0.001 a 500x ratio (DESIGN §2; 000 §3.1.1).
+``8k`` bytes instead of ``4d``: density 0.01 is a 50x ratio, 0.001 a 500x ratio (Harris 2020, §3.1.1; see docs/references.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.base import (
     check_density,
     sparse_count,
 )
-from lightning_gradcomp.compressors.device import shared_draw_generator_device, to_device
+from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
 from lightning_gradcomp.compressors.selection import check_selection, select_threshold, select_topk
 
 
@@ -64,7 +64,7 @@ class TopK(HasDensity, _ValuesAndIndices):
 
     .. math:: C(p)_i = p_i \text{ if } |p_i| \text{ is among the } k = \lceil\rho d\rfloor \text{ largest, else } 0
 
-    Biased; used with error feedback (Aji & Heafield 2017; Stich et al. 2018; 000 §3.1.1).
+    Biased; used with error feedback (Aji & Heafield 2017; Stich et al. 2018; Harris 2020, §3.1.1).
 
     Args:
         density: fraction of coordinates sent, in (0, 1].
@@ -103,7 +103,7 @@ class RandomK(HasDensity, _ValuesAndIndices):
     by ``(seed, step, parameter)``, so only values cross the wire and they are summed by all-reduce
     (``4k`` bytes: density 0.01 is a 100x ratio). With ``shared_indices=False`` each worker draws its own
     indices and sends them too. Biased without the ``d/k`` rescaling, so error feedback is on by default
-    (000 §3.1.1; Stich et al. 2018). The global RNG is never used.
+    (Harris 2020, §3.1.1; Stich et al. 2018). The global RNG is never used.
 
     Indices are drawn on the CPU (O(k log k), no host synchronisation of the device) and copied to the
     device without blocking: identical on every worker whatever its GPU model, and equal to a CPU run's.
@@ -174,7 +174,7 @@ class HardThreshold(_ValuesAndIndices):
     The count ``k_t`` varies from step to step (and may be zero). Under error feedback it minimises the
     *total* compression error :math:`\sum_t \|e_{t+1}\|^2` for a total budget, where Top-k minimises each
     step's error alone (Sahu et al., NeurIPS 2021, "Rethinking gradient sparsification as total error
-    minimization"; paper 003). The authors' rule of thumb for an expected per-step count ``k`` over the
+    minimization"). The authors' rule of thumb for an expected per-step count ``k`` over the
     whole model is :math:`\lambda = 1 / (2\sqrt{k})`.
     """
 

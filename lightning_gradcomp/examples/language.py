@@ -1,4 +1,4 @@
-"""Word-level language modelling: the 2-layer LSTM of 000 on any Penn-Treebank-layout directory.
+"""Word-level language modelling: the 2-layer LSTM of Harris 2020 on any Penn-Treebank-layout directory.
 
 The directory holds ``train.txt``, ``valid.txt`` and ``test.txt``: one sentence a line, tokens
 separated by spaces (Penn Treebank and WikiText-2 as distributed). The vocabulary comes from
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
-from lightning_gradcomp.simulation import current_worker
+from lightning_gradcomp.lightning.simulation import current_worker
 
 UNK, EOS = "<unk>", "<eos>"
 SPLITS = ("train", "valid", "test")
@@ -86,7 +86,7 @@ class BPTTChunks(Dataset):
 class PTBDataModule(L.LightningDataModule):
     """Penn-Treebank-layout text for language modelling.
 
-    The training batch has ``batch_size`` columns in total (000: 256) split over workers: under DDP
+    The training batch has ``batch_size`` columns in total (Harris 2020: 256) split over workers: under DDP
     each rank takes its own contiguous block of ``batch_size / world_size`` columns (set the Trainer's
     ``use_distributed_sampler: false``); the single-device simulation takes all columns and splits them
     along dimension 1 (``batch_dim: 1``) in the same blocks, so worker ``i`` sees what rank ``i`` would.
@@ -95,7 +95,7 @@ class PTBDataModule(L.LightningDataModule):
         data_dir: directory with ``train.txt``, ``valid.txt``, ``test.txt``.
         batch_size: total number of columns of a training batch.
         eval_batch_size: columns of validation and test batches.
-        bptt: time steps per chunk (000: 35).
+        bptt: time steps per chunk (Harris 2020: 35).
     """
 
     def __init__(self, data_dir: str, batch_size: int = 256, eval_batch_size: int = 10, bptt: int = 35) -> None:
@@ -131,17 +131,17 @@ class PTBDataModule(L.LightningDataModule):
 
 
 class LSTMLanguageModel(L.LightningModule):
-    """2-layer LSTM word language model with tied embeddings, trained with vanilla SGD (000 §4.1).
+    """2-layer LSTM word language model with tied embeddings, trained with vanilla SGD (Harris 2020, §4.1).
 
-    Hidden states carry over between chunks, detached, one per simulated worker (000 Algorithm 1):
+    Hidden states carry over between chunks, detached, one per simulated worker (Harris 2020, Algorithm 1):
     the module keys them by :func:`~lightning_gradcomp.simulation.current_worker`.
 
     Args:
         vocab_size: vocabulary size; ``None`` takes it from the data module's ``vocab`` at setup.
-        hidden: 100, 300 or 500 in 000 (small, medium, large); tied embeddings have the same size.
+        hidden: 100, 300 or 500 in Harris 2020 (small, medium, large); tied embeddings have the same size.
         layers: LSTM layers.
         dropout: dropout on embeddings and between layers.
-        lr: SGD learning rate (000: 20, divided by 4 when validation perplexity stops improving).
+        lr: SGD learning rate (Harris 2020: 20, divided by 4 when validation perplexity stops improving).
         tie_weights: share the embedding and output weights.
     """
 

@@ -6,7 +6,7 @@
 
 Both count ``bytes_sent`` from the tensors they are handed (payloads, padding and size headers), so a
 real run and a simulation with the same buckets report the same bytes by construction. What the network
-then carries depends on the collective's algorithm; see :mod:`lightning_gradcomp.netmodel`.
+then carries depends on the collective's algorithm; see :mod:`lightning_gradcomp.metrics.netmodel`.
 
 Ordering: :class:`TorchDriver` issues every collective from the calling thread, at once, never from a
 future's callback. DDP calls the hook bucket by bucket in the same order on every rank, and the engine's
@@ -45,7 +45,7 @@ class CollectiveError(RuntimeError):
 
 class _ByteCounter:
     """``bytes_sent`` and the ``(kind, bytes)`` log of every collective handed over; with a ``scope``
-    (``"node"``, ``"cross"``: which processes take part, see :mod:`lightning_gradcomp.netmodel`) the kinds
+    (``"node"``, ``"cross"``: which processes take part, see :mod:`lightning_gradcomp.metrics.netmodel`) the kinds
     are logged as ``"<scope>:<kind>"``."""
 
     def __init__(self, scope: str = "") -> None:

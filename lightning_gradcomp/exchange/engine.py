@@ -6,16 +6,16 @@
 (the collectives to issue, and whether it is the bucket's final round) and receives their results.
 
 * Parameters below ``min_compress_numel`` elements (biases, norms) are averaged uncompressed; the
-  others go through the worker's :class:`~lightning_gradcomp.pipeline.WorkerPipeline` (error feedback
+  others go through the worker's :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline` (error feedback
   around the compressor's protocol).
 * Every tensor's protocol is advanced in lock-step; the requests of one round are merged: all
-  :class:`~lightning_gradcomp.exchange.protocol.Mean` requests of one dtype into one flat tensor
+  :class:`~lightning_gradcomp.core.protocol.Mean` requests of one dtype into one flat tensor
   (divided by ``N``, then summed by one ``all_reduce``), all
-  :class:`~lightning_gradcomp.exchange.protocol.Gather` requests into one uint8 buffer (one
+  :class:`~lightning_gradcomp.core.protocol.Gather` requests into one uint8 buffer (one
   ``all_gather``; see :mod:`~lightning_gradcomp.exchange.wire`). When a gathered size depends on the
   data, the counts go first in a small ``all_gather`` and every worker pads to the largest buffer (gloo
   needs equal sizes).
-  :class:`~lightning_gradcomp.exchange.protocol.AllToAll` requests go into one ``all_to_all`` of ``N``
+  :class:`~lightning_gradcomp.core.protocol.AllToAll` requests go into one ``all_to_all`` of ``N``
   equal rows, row ``c`` holding every tensor's parts for worker ``c``.
 * Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
   order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
@@ -23,7 +23,7 @@
   Top-k's block peaks); a one-element flag (0, or NaN when this worker's
   gradients of the bucket were not all finite) rides in the bucket's final round. When the summed flag
   is NaN, every worker's result for the bucket is NaN (as DDP's all-reduce would carry it) and no
-  worker updates its memory for the bucket (see :class:`~lightning_gradcomp.pipeline.WorkerPipeline`).
+  worker updates its memory for the bucket (see :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline`).
 
 The sequence of collectives depends only on the bucket's parameters, the compressor and the counts
 exchanged in the headers, so it is the same on every worker: drivers may issue it as it comes.
@@ -34,17 +34,19 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from enum import Enum
 from typing import Generator, Iterator, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Finite, all_finite
-from lightning_gradcomp.compressors.device import host_reads_allowed
+from lightning_gradcomp.compressors.base import CompressContext
+from lightning_gradcomp.core.tensors import all_finite, Finite
+from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.exchange import wire
-from lightning_gradcomp.exchange.protocol import AllToAll, Gather, Mean, Received, Round
-from lightning_gradcomp.pipeline import WorkerPipeline
-from lightning_gradcomp.telemetry import Stopwatch
+from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round
+from lightning_gradcomp.exchange.pipeline import WorkerPipeline
+from lightning_gradcomp.metrics.telemetry import Stopwatch
 
 
 @dataclass
@@ -109,7 +111,16 @@ class ExchangeEngine:
         self.decompress_clock = Stopwatch()
 
     def bucket(self, entries: Sequence[Entry], step: int, rank: int, world_size: int) -> BucketProtocol:
-        """The exchange of one bucket (a generator run by a driver)."""
+        """The exchange of one bucket (a generator run by a driver).
+
+        1. Every tensor's protocol runs to its first round (compression); this worker's finiteness of
+           the bucket is then known (:class:`BucketVerdict`).
+        2. Round by round, the pending tensors' requests are merged into collectives and their results
+           handed back. A protocol whose last round comes before the bucket's final one is *parked* with
+           its results: every tensor finishes once the bucket's verdict is known.
+        3. The final round carries the verdict flag; every context learns the bucket's verdict, every
+           protocol decodes and commits its memory, and a non-finite bucket's results become NaN.
+        """
         entries = sorted(entries, key=lambda entry: entry.name)
         device = entries[0].grad.device if entries else torch.device("cpu")
         contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed,
@@ -118,35 +129,30 @@ class ExchangeEngine:
         sent = [0] * len(entries)
         with self._clock(self.compress_clock, device):
             pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
-        finite = self._found_finite(contexts)
-        # Protocols whose last round came before the bucket's final one wait with their results, so that
-        # every tensor finishes (memory, decoding) once the bucket's finiteness flag is known.
-        waiting: dict[int, list] = {}
-        waiting_turns: dict[int, Round] = {}
+        verdict = BucketVerdict(self._found_finite(contexts), device)
+        parked: dict[int, tuple[Round, list]] = {}
         while pending:
             final = all(turn.last for turn in pending.values())
-            merged = _MergedRound(pending, rank, world_size, device, _poison_flag(finite, device) if final else None)
+            merged = _MergedRound(pending, rank, world_size, device, verdict.flag() if final else None)
             if merged.needs_header:
                 (counts,) = yield CollectiveRound([Collective("all_gather", merged.header())], final=False)
                 merged.read_header(counts)
             results = yield CollectiveRound(merged.collectives(), final)
             per_tensor = merged.split(results)
-            if not final:
-                for index in [index for index, turn in pending.items() if turn.last]:
-                    waiting[index], waiting_turns[index] = per_tensor.pop(index), pending.pop(index)
+            if final:
+                for index, (turn, result) in parked.items():
+                    pending[index], per_tensor[index] = turn, result
+                verdict.tell(contexts, merged.summed_flag)
             else:
-                per_tensor.update(waiting)
-                pending.update(waiting_turns)
-                _skip_memory_if_poisoned(contexts, merged.poison)
+                for index in [index for index, turn in pending.items() if turn.last]:
+                    parked[index] = (pending.pop(index), per_tensor.pop(index))
             with self._clock(self.decompress_clock if final else self.compress_clock, device):
                 pending = _advance(protocols, per_tensor, sent, previous=pending)
-            if final and pending:
-                raise RuntimeError(
-                    f"gradcomp: the protocol of {entries[next(iter(pending))].name!r} went on after a round it "
-                    "marked last"
-                )
             if final:
-                _poison(entries, merged.poison)
+                if pending:
+                    raise RuntimeError(f"gradcomp: the protocol of {entries[next(iter(pending))].name!r} went on "
+                                       "after a round it marked last")
+                verdict.poison([entry.out for entry in entries if entry.out is not None], merged.summed_flag)
         return BucketReport(
             elements_sent=sum(sent),
             elements_total=sum(entry.grad.numel() for entry in entries),
@@ -201,42 +207,64 @@ def _advance(protocols: list[Generator[Round, list, int]], results: dict[int, Op
     return pending
 
 
-def _poison_flag(finite: list[Finite], device: torch.device) -> Tensor:
-    """One element that rides with the bucket's final round: 0, or NaN when a gradient of this worker
-    was not finite. Summed over workers, it is NaN when any worker's was."""
-    if all(flag is True for flag in finite):
-        return torch.zeros(1, device=device)
-    if any(flag is False for flag in finite):
-        return torch.full((1,), math.nan, device=device)
-    ok = torch.stack([torch.as_tensor(flag, device=device) for flag in finite]).all()
-    return torch.where(ok, 0.0, math.nan).reshape(1).to(device=device, dtype=torch.float32)
+class BucketVerdict:
+    """Whether a bucket's gradients are finite: this worker's flag, and the verdict of every worker.
+
+    One rule: the bucket's final round carries one float32 element per worker, 0 when every gradient of
+    the bucket is finite on that worker and NaN otherwise, summed over the workers (NaN when any
+    worker's was not finite). Before the protocols finish, every tensor's context learns that verdict
+    (:meth:`tell`): memory is committed only for a bucket finite on every worker, on every worker alike,
+    as AMP's GradScaler voids a step everywhere. A non-finite bucket's results are NaN on every worker
+    (:meth:`poison`), as DDP's all-reduce would carry it.
+
+    Flags are Python bools where the host may read them and 0-d device tensors elsewhere
+    (:func:`~lightning_gradcomp.core.device.host_reads_allowed`): on accelerators nothing here waits for
+    the device.
+    """
+
+    def __init__(self, finite: Sequence[Finite], device: torch.device) -> None:
+        self.finite = list(finite)
+        self.device = device
+
+    def flag(self) -> Tensor:
+        """This worker's element of the final round: 0, or NaN when a gradient was not finite."""
+        if all(flag is True for flag in self.finite):
+            return torch.zeros(1, device=self.device)
+        if any(flag is False for flag in self.finite):
+            return torch.full((1,), math.nan, device=self.device)
+        ok = torch.stack([torch.as_tensor(flag, device=self.device) for flag in self.finite]).all()
+        return torch.where(ok, 0.0, math.nan).reshape(1).to(device=self.device, dtype=torch.float32)
+
+    def tell(self, contexts: Sequence[CompressContext], summed: Tensor) -> None:
+        """Set every context's ``finite`` to the bucket's verdict on every worker (and this worker's own)."""
+        if host_reads_allowed(summed.device):
+            if not math.isfinite(float(summed)):
+                for ctx in contexts:
+                    ctx.finite = False
+            return
+        clean = torch.isfinite(summed)
+        for ctx in contexts:
+            ctx.finite = clean if ctx.finite is True else (clean & ctx.finite if ctx.finite is not False else False)
+
+    def poison(self, outs: Sequence[Tensor], summed: Tensor) -> None:
+        """Make the results NaN when the bucket was not finite on some worker (on accelerators by adding
+        the summed flag, 0 or NaN: no host sync)."""
+        if host_reads_allowed(summed.device):
+            if not math.isfinite(float(summed)):
+                for out in outs:
+                    out.fill_(math.nan)
+            return
+        for out in outs:
+            out.add_(summed.to(out.dtype))
 
 
-def _skip_memory_if_poisoned(contexts: Sequence[CompressContext], flag: Tensor) -> None:
-    """When any worker's gradient in the bucket was not finite, no worker updates its memory for the
-    bucket (the step is void everywhere, as AMP's GradScaler makes it): every context is marked
-    non-finite before the protocols finish."""
-    if host_reads_allowed(flag.device):
-        if not math.isfinite(float(flag)):
-            for ctx in contexts:
-                ctx.finite = False
-        return
-    clean = torch.isfinite(flag)
-    for ctx in contexts:
-        ctx.finite = clean if ctx.finite is True else (clean & ctx.finite if ctx.finite is not False else False)
+class _FlagSlot(Enum):
+    """Where the final round's verdict flag rides: appended to the round's first all-reduce, in the
+    gathered buffer, or in an all-reduce of its own (a round of all-to-alls only)."""
 
-
-def _poison(entries: Sequence[Entry], flag: Tensor) -> None:
-    """Make the bucket's results NaN on every worker when any worker's gradient was not finite (as DDP's
-    all-reduce would carry a NaN); on accelerators by adding the flag (no host sync)."""
-    outs = [entry.out for entry in entries if entry.out is not None]
-    if host_reads_allowed(flag.device):
-        if not math.isfinite(float(flag)):
-            for out in outs:
-                out.fill_(math.nan)
-        return
-    for out in outs:
-        out.add_(flag.to(out.dtype))
+    MEANS = "means"
+    GATHER = "gather"
+    ALONE = "alone"
 
 
 class _MergedRound:
@@ -247,9 +275,9 @@ class _MergedRound:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.flag = flag  # the final round's poison flag (see _poison_flag)
-        self.flag_place: Optional[str] = None
-        self.poison = torch.zeros((), device=device)
+        self.flag = flag  # this worker's verdict flag, in the final round (see BucketVerdict)
+        self.flag_slot: Optional[_FlagSlot] = None
+        self.summed_flag = torch.zeros((), device=device)  # the flag summed over workers, once split
         self.means: dict[torch.dtype, list[tuple[int, int, Mean]]] = {}
         self.gathers: list[tuple[int, int, Gather]] = []
         self.exchanges: list[tuple[int, int, AllToAll]] = []
@@ -305,18 +333,18 @@ class _MergedRound:
         """The round's collectives; the final round's flag rides in the first all-reduce, else in the
         gathered buffer, else alone."""
         ops = []
-        self.flag_place = None if self.flag is None else ("means" if self.means else
-                                                          "gather" if self.gathers else "alone")
+        self.flag_slot = None if self.flag is None else (_FlagSlot.MEANS if self.means else
+                                                         _FlagSlot.GATHER if self.gathers else _FlagSlot.ALONE)
         for position, requests in enumerate(self.means.values()):
             tensors = [request.tensor.reshape(-1) for _, _, request in requests]
-            if self.flag_place == "means" and position == 0:
+            if self.flag_slot is _FlagSlot.MEANS and position == 0:
                 tensors.append(self.flag.to(tensors[0].dtype))
             flat = torch.cat(tensors)
             if self.world_size > 1:
                 flat.div_(self.world_size)
             ops.append(Collective("all_reduce", flat))
         if self.gathers:
-            extra: list[list[wire.PartSpec]] = [[(torch.float32, 1)]] if self.flag_place == "gather" else []
+            extra: list[list[wire.PartSpec]] = [[(torch.float32, 1)]] if self.flag_slot is _FlagSlot.GATHER else []
             self.gather_layouts = [wire.layout(specs + extra) for specs in self._all_specs()]
             longest = max(total for _, total in self.gather_layouts)
             if longest > 0:  # else nothing was selected anywhere: the counts said it all
@@ -325,7 +353,7 @@ class _MergedRound:
                 ops.append(Collective("all_gather", wire.serialize(parts, wire.layout(own)[0], longest, self.device)))
         if self.exchanges:
             ops.append(Collective("all_to_all", self._all_to_all_input()))
-        if self.flag_place == "alone":
+        if self.flag_slot is _FlagSlot.ALONE:
             ops.append(Collective("all_reduce", self.flag.clone()))
         return ops
 
@@ -342,13 +370,13 @@ class _MergedRound:
         return torch.cat(rows)
 
     def split(self, results: list[Tensor]) -> dict[int, list]:
-        """Each tensor's results, in the order of its requests (and the flag's sum in :attr:`poison`)."""
+        """Each tensor's results, in the order of its requests (and the flag's sum in :attr:`summed_flag`)."""
         per_tensor: dict[int, list] = {index: [None] * size for index, size in self.shapes.items()}
         results_iter: Iterator[Tensor] = iter(results)
         for position, requests in enumerate(self.means.values()):
             summed = next(results_iter)
-            if self.flag_place == "means" and position == 0:
-                self.poison, summed = summed[-1], summed[:-1]
+            if self.flag_slot is _FlagSlot.MEANS and position == 0:
+                self.summed_flag, summed = summed[-1], summed[:-1]
             pieces = summed.split([request.tensor.numel() for _, _, request in requests])
             for (index, position_in_tensor, request), piece in zip(requests, pieces):
                 per_tensor[index][position_in_tensor] = piece.view(request.tensor.shape)
@@ -359,8 +387,8 @@ class _MergedRound:
                 row = rows[rank] if rows is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
                 counts = self.rank_counts[rank] if self.rank_counts is not None else [None] * len(self.gathers)
                 payloads = wire.deserialize(row, slots)
-                if self.flag_place == "gather":
-                    self.poison = self.poison + payloads.pop()[0][0]
+                if self.flag_slot is _FlagSlot.GATHER:
+                    self.summed_flag = self.summed_flag + payloads.pop()[0][0]
                 for request_index, parts in enumerate(payloads):
                     received[request_index].append(Received(parts, counts[request_index]))
             for (index, position, _), rows_of_request in zip(self.gathers, received):
@@ -373,8 +401,8 @@ class _MergedRound:
                     received[request_index].append(Received(parts, None))
             for (index, position, _), rows_of_request in zip(self.exchanges, received):
                 per_tensor[index][position] = rows_of_request
-        if self.flag_place == "alone":
-            self.poison = next(results_iter)[0]
+        if self.flag_slot is _FlagSlot.ALONE:
+            self.summed_flag = next(results_iter)[0]
         return per_tensor
 
 

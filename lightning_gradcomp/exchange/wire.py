@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import itemsize
+from lightning_gradcomp.core.tensors import itemsize
 
 #: ``(dtype, numel)`` of one part.
 PartSpec = tuple[torch.dtype, int]

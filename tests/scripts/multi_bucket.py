@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_gradcomp.compressors import HardThreshold, Int8AllReduce, PowerSGD
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
 
 def _worker(rank: int, port: int, steps: int, out: str) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor, DGCWarmup
-from lightning_gradcomp.netmodel import Network
+from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradCompSimStrategy
 from torch.utils.data import DataLoader
 from lightning_gradcomp.compressors import COMPRESSORS

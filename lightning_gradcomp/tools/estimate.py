@@ -7,7 +7,7 @@ It measures, on this machine, one forward + backward pass and SGD step of the mo
 every compressor's own cost on the model's gradients: the exchange of one step through the same engine as
 the DDP hook, with ``min(N, 8)`` workers simulated in process, divided by the number simulated (each
 worker compresses its own gradients and decodes the aggregate). The bytes and collectives of that step,
-priced by :mod:`lightning_gradcomp.netmodel` for ``N`` workers, give the communication time. The
+priced by :mod:`lightning_gradcomp.metrics.netmodel` for ``N`` workers, give the communication time. The
 prediction assumes no overlap of communication with backward:
 
 .. math::  T_{step} = T_{fwd+bwd+opt} + T_{compress+decode} + T_{comm}(N, B, α)
@@ -38,8 +38,8 @@ import yaml
 from torch import nn
 
 from lightning_gradcomp.compressors import FP16, Compressor, NoCompression
-from lightning_gradcomp.netmodel import TOPOLOGIES, Network
-from lightning_gradcomp.simulation import SimulatedExchange
+from lightning_gradcomp.metrics.netmodel import TOPOLOGIES, Network
+from lightning_gradcomp.exchange.simulated import SimulatedExchange
 
 #: The compressors tried by default: the presets in ``configs/compressors``, when run from a checkout.
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "compressors"

@@ -16,10 +16,11 @@ from typing import Any, Generator, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Finite, squared_norm
-from lightning_gradcomp.exchange.protocol import Mean, Outcome, Round
-from lightning_gradcomp.memory import CompressionMemory
-from lightning_gradcomp.telemetry import StepRecorder
+from lightning_gradcomp.compressors.base import CompressContext, Compressor
+from lightning_gradcomp.core.tensors import Finite, squared_norm
+from lightning_gradcomp.core.protocol import Mean, Outcome, Round
+from lightning_gradcomp.exchange.memory import CompressionMemory
+from lightning_gradcomp.metrics.telemetry import StepRecorder
 
 MAX_NUMEL = 2**31 - 1
 
@@ -37,27 +38,6 @@ def resolve_error_feedback(compressor: Compressor, error_feedback: Optional[bool
             return compressor.default_error_feedback
         return compressor.biased and not compressor.owns_residual
     return bool(error_feedback)
-
-
-def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: list, precision_plugin: Any) -> None:
-    """Refuse, before the first step, settings that would silently train something else.
-
-    * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's);
-    * fp16 mixed precision with memory (error feedback, or state a compressor keeps across steps:
-      DGC's velocity, Signum's momentum, the quantised all-reduce's owner residual): the hook sees
-      gradients times a loss scale that GradScaler changes and whose overflow steps it skips, so the
-      memory would be kept at stale scales and advanced on skipped steps.
-    """
-    for optimizer in optimizers:
-        compressor.check_optimizer(optimizer)
-    if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.keeps_state):
-        memory = "error feedback" if error_feedback else "the state it keeps across steps"
-        raise ValueError(
-            f"precision='16-mixed' scales gradients by a changing loss scale, which {type(compressor).__name__}'s "
-            f"memory ({memory}) would keep at stale scales; allowed: precision='bf16-mixed', 'bf16-true', "
-            "'32-true' or '64-true', or a compressor without memory (error_feedback=False, and no DGC, Signum "
-            "momentum or owner_error_feedback)"
-        )
 
 
 class WorkerPipeline:

@@ -18,25 +18,27 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, gather_entry
-from lightning_gradcomp.compressors.base import Compressor, check_bool
-from lightning_gradcomp.handle import check_reducer
-from lightning_gradcomp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.options import (
-    REGISTERED_VARIANTS,
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, gather_entry
+from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.handle import check_reducer
+from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_process_group_backend,
     check_start_method,
     check_timeout,
     configure_strategy,
+    REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.pipeline import check_fit_setup
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import print_fit_summary
+from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.lightning.summary import print_fit_summary
 
 if TYPE_CHECKING:
-    from lightning_gradcomp.simulation import GradCompSimStrategy
+    from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
 
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -45,7 +47,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
-    :func:`~lightning_gradcomp.hook.gradcomp_hook` communication hook on every device type, CPU (gloo)
+    :func:`~lightning_gradcomp.ddp.hook.gradcomp_hook` communication hook on every device type, CPU (gloo)
     included. Every ``DDPStrategy`` argument is accepted, except the ``ddp_comm_*`` hook arguments, which
     this strategy replaces.
 
@@ -62,8 +64,8 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
         print_summary: when ``fit`` ends, rank 0 prints a short table of what compression did (bytes sent
             vs dense, ratio, density, compression error, and with a
-            :class:`~lightning_gradcomp.callbacks.CompressionMonitor` the estimated communication time
-            saved on its network model); see :mod:`lightning_gradcomp.summary`.
+            :class:`~lightning_gradcomp.lightning.callbacks.CompressionMonitor` the estimated communication time
+            saved on its network model); see :mod:`lightning_gradcomp.metrics.summary`.
         exchange_thread: exchange buckets on a thread of their own, in the order DDP hands them over, so
             compression and communication overlap the rest of backward (see
             :mod:`lightning_gradcomp.exchange.thread`); ``False`` runs them in the DDP hook; ``None``
@@ -71,7 +73,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         hierarchy: ``"node"``: on several nodes, a dense all-reduce inside each node, the compressed
             exchange only between nodes (each local rank compresses its share of every bucket, with the
             same local rank of the other nodes), and a dense all-reduce inside the node to put the shares
-            together; see :mod:`lightning_gradcomp.hierarchy`. ``"none"`` (default): every rank exchanges
+            together; see :mod:`lightning_gradcomp.ddp.hierarchy`. ``"none"`` (default): every rank exchanges
             compressed gradients with every other.
         timeout: the process group's timeout (a ``timedelta``, or seconds): a peer that stops answering
             fails the pending collective on every other rank after this long.
@@ -140,7 +142,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
     def simulated(cls, workers: int = 4, **kwargs: Any) -> "GradCompSimStrategy":
         """The single-device simulation of ``workers`` workers with the same compressor options:
         ``Trainer(devices=1, strategy=GradCompStrategy.simulated(workers=8, compressor=TopK(0.001)))``."""
-        from lightning_gradcomp.simulation import GradCompSimStrategy
+        from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
 
         return GradCompSimStrategy(workers=workers, **kwargs)
 

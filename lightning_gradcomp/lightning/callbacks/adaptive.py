@@ -1,4 +1,4 @@
-"""Compression schedules that change level during training: on a monitored metric (004), or on a
+"""Compression schedules that change level during training: on a monitored metric (Tirupati et al.), or on a
 gradient-norm signal (ACCORDION)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gradcomp.callbacks._access import strategy_compressor
-from lightning_gradcomp.compressors.base import Compressor, check_int
+from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_int
 
 Level = Optional[dict[str, Any]]  # compressor parameters to set; None = uncompressed
 
@@ -32,7 +33,7 @@ def _check_levels(levels: Sequence[Level], parameter: str = "levels") -> list[Le
 def apply_level(trainer: "L.Trainer", level: Level, caller: str) -> None:
     """Set a level's parameters on the strategy's compressor, or switch compression off (None)."""
     compressor = strategy_compressor(trainer, caller=caller)
-    exchange = trainer.strategy.hook_state
+    exchange = exchange_state(trainer)
     if level is None:
         exchange.use_compressor(None)
         return
@@ -114,7 +115,7 @@ class ScheduleState:
 
 class AdaptiveCompression(Callback):
     r"""Step-function compression schedule driven by a monitored metric (Abdelmoniem & Canini style
-    dynamic compression; paper 004).
+    dynamic compression; Tirupati et al.).
 
     Training starts on ``levels[0]`` (the most aggressive) and moves to the next level each time, at
     the end of a validation epoch, the monitored metric passes the current level's threshold

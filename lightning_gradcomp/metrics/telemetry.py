@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.stats import LayerStats, StepStats
+from lightning_gradcomp.metrics.stats import LayerStats, StepStats
 
 
 class Stopwatch:

@@ -1,4 +1,5 @@
-"""The options every way in shares (DDP strategy, simulation, raw hook), validated in one place.
+"""The Lightning strategies' options (Trainer, Fabric, simulation), validated in one place, and the
+checks made when ``fit`` starts.
 
 Bad input is a ``ValueError`` naming the parameter and the allowed values, raised at construction,
 before any process is started.
@@ -6,47 +7,17 @@ before any process is started.
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
-
-import inspect
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors.base import Compressor, check_bool, check_int, get_compressor
-from lightning_gradcomp.pipeline import resolve_error_feedback
-
-
-@dataclass(frozen=True)
-class ExchangeOptions:
-    """Validated compression options.
-
-    Attributes:
-        compressor: the compressor instance.
-        error_feedback: as given (``None``: the compressor's default; see
-            :func:`~lightning_gradcomp.pipeline.resolve_error_feedback`).
-        min_compress_numel: tensors with fewer elements are sent dense.
-        seed: base seed of the compressors' generators.
-    """
-
-    compressor: Compressor
-    error_feedback: Optional[bool]
-    min_compress_numel: int
-    seed: int
-
-
-def exchange_options(compressor: Union[Compressor, str], error_feedback: Optional[bool] = None,
-                     min_compress_numel: int = 1024, seed: int = 0) -> ExchangeOptions:
-    """Validate the compression options shared by every way in."""
-    compressor = get_compressor(compressor)
-    if error_feedback is not None and not isinstance(error_feedback, bool):
-        raise ValueError(f"`error_feedback` must be None, True or False, got {error_feedback!r}")
-    resolve_error_feedback(compressor, error_feedback)
-    return ExchangeOptions(compressor, error_feedback, check_int(min_compress_numel, "min_compress_numel", 0),
-                           check_int(seed, "seed", 0))
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.exchange.options import exchange_options
 
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
@@ -129,3 +100,24 @@ def check_start_method(start_method: Any) -> str:
     if start_method not in START_METHODS:
         raise ValueError(f"`start_method` must be one of {', '.join(map(repr, START_METHODS))}, got {start_method!r}")
     return start_method
+
+
+def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: list, precision_plugin: Any) -> None:
+    """Refuse, before the first step, settings that would silently train something else.
+
+    * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's);
+    * fp16 mixed precision with memory (error feedback, or state a compressor keeps across steps:
+      DGC's velocity, Signum's momentum, the quantised all-reduce's owner residual): the hook sees
+      gradients times a loss scale that GradScaler changes and whose overflow steps it skips, so the
+      memory would be kept at stale scales and advanced on skipped steps.
+    """
+    for optimizer in optimizers:
+        compressor.check_optimizer(optimizer)
+    if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.keeps_state):
+        memory = "error feedback" if error_feedback else "the state it keeps across steps"
+        raise ValueError(
+            f"precision='16-mixed' scales gradients by a changing loss scale, which {type(compressor).__name__}'s "
+            f"memory ({memory}) would keep at stale scales; allowed: precision='bf16-mixed', 'bf16-true', "
+            "'32-true' or '64-true', or a compressor without memory (error_feedback=False, and no DGC, Signum "
+            "momentum or owner_error_feedback)"
+        )

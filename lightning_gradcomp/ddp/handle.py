@@ -23,19 +23,20 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.checkpointing import gather_entry, restore_entry
-from lightning_gradcomp.compressors.base import Compressor, check_bool
-from lightning_gradcomp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import summarise
+from lightning_gradcomp.ddp.checkpoint import gather_entry, restore_entry
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.summary import summarise
 
 
 class GradCompHandle:
     """What :func:`register` returns: the compressed exchange of one DDP model on this rank.
 
     Attributes:
-        hook_state: the :class:`~lightning_gradcomp.hook.GradCompHookState` (configuration, memory,
+        hook_state: the :class:`~lightning_gradcomp.ddp.hook.GradCompHookState` (configuration, memory,
             accounting).
         compressor: the compressor the exchange was configured with.
     """
@@ -47,7 +48,7 @@ class GradCompHandle:
 
     # ------------------------------------------------------------------ the hook's entry point
     def exchange(self, bucket: dist.GradBucket) -> Future:
-        """Called by DDP through :func:`~lightning_gradcomp.hook.gradcomp_hook` for every bucket (the
+        """Called by DDP through :func:`~lightning_gradcomp.ddp.hook.gradcomp_hook` for every bucket (the
         first bucket of a step closes the figures of the step before, without waiting for the device)."""
         return self.hook_state.exchange(bucket)
 

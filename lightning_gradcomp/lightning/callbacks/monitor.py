@@ -11,10 +11,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_gradcomp.callbacks._access import strategy_compressor
-from lightning_gradcomp.compressors.base import check_int
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.stats import NUMERIC_FIELDS, StepStats
+from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
+from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import NUMERIC_FIELDS, StepStats
 
 PREFIX = "gradcomp/"
 
@@ -29,7 +29,7 @@ class CompressionMonitor(Callback):
       velocity). For compressors without error feedback the same quantity is computed from each step's
       compression error, so all compressors compare. It never decreases and survives checkpoint and
       resume (the running totals are saved with the strategy's state). Sahu et al. (NeurIPS 2021,
-      paper 003) show this total governs convergence under error feedback.
+      NeurIPS 2021) show this total governs convergence under error feedback.
     * ``gradcomp/step_error`` (:math:`\|e_{t+1}\|^2`) and ``gradcomp/relative_error``
       (:math:`\|p_t - C(p_t)\|^2 / \|p_t\|^2`);
     * ``gradcomp/average_density``: :math:`\rho = \sum_t k_t / (T d)` since the start, and
@@ -41,7 +41,7 @@ class CompressionMonitor(Callback):
       feedback) and decoding, and ``gradcomp/comm_ms_est``: this step's collectives on ``network``.
 
     At the end of every epoch: ``gradcomp/epoch_compute_s`` (measured; divided by the number of
-    workers in a simulation, where they run one after another, as 000 does), ``gradcomp/epoch_comm_s_est``
+    workers in a simulation, where they run one after another, as Harris 2020 does), ``gradcomp/epoch_comm_s_est``
     and their sum ``gradcomp/epoch_total_s_est``: compute plus communication per epoch.
 
     Every ``layer_every_n_steps`` steps (0: never) it also logs each parameter's relative error and
@@ -68,7 +68,7 @@ class CompressionMonitor(Callback):
         layer_mode: Literal["scalars", "histogram"] = "scalars",
     ) -> None:
         if network is not None and not isinstance(network, Network):
-            raise ValueError(f"`network` must be a lightning_gradcomp.netmodel.Network, got {network!r}")
+            raise ValueError(f"`network` must be a lightning_gradcomp.metrics.netmodel.Network, got {network!r}")
         self.network = network or Network()
         self.log_every_n_steps = None if log_every_n_steps is None else check_int(log_every_n_steps, "log_every_n_steps", 0)
         self.layer_every_n_steps = check_int(layer_every_n_steps, "layer_every_n_steps", 0)
@@ -89,7 +89,7 @@ class CompressionMonitor(Callback):
             trainer.strategy.log_stats = False  # the monitor logs a superset
 
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        trainer.strategy.hook_state.telemetry = self._interval(trainer) > 0 or self.layer_every_n_steps > 0
+        exchange_state(trainer).telemetry = self._interval(trainer) > 0 or self.layer_every_n_steps > 0
         self._last_step = trainer.global_step
 
     def on_train_epoch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
@@ -97,7 +97,7 @@ class CompressionMonitor(Callback):
         self._epoch_began = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        """Per epoch: measured compute time (per worker in a simulation, as 000 counts it) and the
+        """Per epoch: measured compute time (per worker in a simulation, as Harris 2020 counts it) and the
         estimated communication time, so compressors compare on compute + communication."""
         if self._interval(trainer) <= 0:
             return
@@ -113,7 +113,7 @@ class CompressionMonitor(Callback):
                              batch_idx: int) -> None:
         every, interval = self.layer_every_n_steps, self._interval(trainer)
         coming = trainer.global_step + 1  # the step this batch's optimizer step completes
-        hook_state = trainer.strategy.hook_state
+        hook_state = exchange_state(trainer)
         hook_state.record_layers = every > 0 and coming % every == 0
         hook_state.telemetry_due = hook_state.record_layers or (interval > 0 and coming % interval == 0)
 
@@ -132,7 +132,7 @@ class CompressionMonitor(Callback):
         layer_names = sorted(stats.layers) if stats.layers else []
         if not log_now and not layer_names:
             return
-        values = stats.as_list() + trainer.strategy.hook_state.totals.as_list() + [comm_s]
+        values = stats.as_list() + exchange_state(trainer).totals.as_list() + [comm_s]
         for name in layer_names:
             layer = stats.layers[name]
             values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel]

@@ -1,10 +1,12 @@
-"""How callbacks reach the compressor of the running strategy."""
+"""How callbacks reach the running exchange: its compressor, and its state through the declared
+contract (:class:`~lightning_gradcomp.exchange.state.ExchangeState`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.exchange.state import ExchangeState
 
 
 def strategy_compressor(trainer: Any, needs: str = "", caller: str = "this callback") -> Compressor:
@@ -20,3 +22,12 @@ def strategy_compressor(trainer: Any, needs: str = "", caller: str = "this callb
             f"{caller} needs a compressor with a `{needs}` parameter, got {type(compressor).__name__}"
         )
     return compressor
+
+
+def exchange_state(trainer: Any) -> ExchangeState:
+    """``trainer.strategy.hook_state``, the running exchange (built when ``fit`` starts)."""
+    state = getattr(trainer.strategy, "hook_state", None)
+    if state is None:
+        raise RuntimeError(f"the strategy {type(trainer.strategy).__name__} has no gradcomp exchange state (yet); "
+                           "callbacks reach it from on_train_start on")
+    return cast(ExchangeState, state)

@@ -1,4 +1,4 @@
-"""``GradCompSimStrategy``: N data-parallel workers simulated on one device (000 §3.2, Algorithm 1)."""
+"""``GradCompSimStrategy``: N data-parallel workers simulated on one device (Harris 2020, §3.2, Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.checkpointing import CHECKPOINT_KEY, RestoresCompressionState, pack
-from lightning_gradcomp.compressors.base import Compressor, check_int
-from lightning_gradcomp.hierarchy import check_hierarchy, local_average
-from lightning_gradcomp.options import configure_strategy
-from lightning_gradcomp.pipeline import check_fit_setup
-from lightning_gradcomp.simulation.exchange import SimulatedExchange
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import print_fit_summary
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, pack
+from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.ddp.hierarchy import check_hierarchy, local_average
+from lightning_gradcomp.lightning.options import configure_strategy
+from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.exchange.simulated import SimulatedExchange
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.lightning.summary import print_fit_summary
 
 
 
@@ -31,7 +33,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
     Each batch is split into ``workers`` equal parts along ``batch_dim``. For each part in turn: the
     LightningModule's ``training_step`` (forward), backward, and compression of that worker's gradient
     with that worker's own error-feedback memory (or DGC state); the decoded results are averaged, and
-    one optimizer step follows (000 §3.2, Algorithm 1). The same compressors, callbacks and
+    one optimizer step follows (Harris 2020, §3.2, Algorithm 1). The same compressors, callbacks and
     LightningModule run unchanged; a batch of ``N * b`` samples here is the equivalent of ``N`` real
     processes with ``b`` each (see :class:`~lightning_gradcomp.simulation.DistributedOrderBatchSampler`
     for their exact data order).
@@ -42,7 +44,7 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
 
     Telemetry matches the real strategy: ``step_stats`` (figures averaged over workers, bytes as each
     worker would hand them to ``torch.distributed``) and, with
-    :class:`~lightning_gradcomp.callbacks.CompressionMonitor`, errors and estimated communication time
+    :class:`~lightning_gradcomp.lightning.callbacks.CompressionMonitor`, errors and estimated communication time
     on a network model. Memory: the model once, plus per-worker residuals and compressor state.
 
     Args:
@@ -271,3 +273,15 @@ def _part(tensor: Tensor, dim: int, parts: int, index: int) -> Tensor:
     if tensor.dim() <= dim:
         return tensor
     return torch.tensor_split(tensor, parts, dim=dim)[index]
+
+
+def current_worker(module: Any) -> int:
+    """The simulated worker whose share of the batch ``module`` is processing (0 outside a simulation).
+
+    A recurrent LightningModule keeps one hidden state per worker with it::
+
+        hidden = self.hidden.get(current_worker(self))
+    """
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    return int(getattr(strategy, "current_worker", 0))

@@ -1,8 +1,8 @@
 """The end-of-training summary: what compression did over a whole run, in one short table.
 
-Every way in (the Trainer strategies at the end of ``fit``, :class:`~lightning_gradcomp.fabric.GradCompFabricStrategy`
-and :func:`~lightning_gradcomp.handle.register` on request) prints the same table from the running
-totals (:class:`~lightning_gradcomp.stats.StepStats`, averaged over ranks) and, when a network model is
+Every way in (the Trainer strategies at the end of ``fit``, :class:`~lightning_gradcomp.lightning.fabric.GradCompFabricStrategy`
+and :func:`~lightning_gradcomp.ddp.handle.register` on request) prints the same table from the running
+totals (:class:`~lightning_gradcomp.metrics.stats.StepStats`, averaged over ranks) and, when a network model is
 given, the estimated communication time of the collectives actually issued next to that of DDP's dense
 all-reduce of the same gradients.
 """
@@ -10,42 +10,12 @@ all-reduce of the same gradients.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.stats import StepStats
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.compressors.base import Compressor
-
-
-class CollectiveTally:
-    """How many times each collective ``(kind, bytes)`` was issued; training steps repeat the same few,
-    so this stays small, and any network model can price it afterwards."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[tuple[str, int]] = Counter()
-
-    def add(self, stats: StepStats) -> None:
-        """Count one step's collectives (``stats.collectives``)."""
-        self.counts.update((kind, int(nbytes)) for kind, nbytes in stats.collectives)
-
-    def state_dict(self) -> list[list[Any]]:
-        return [[kind, nbytes, count] for (kind, nbytes), count in sorted(self.counts.items())]
-
-    @classmethod
-    def from_state_dict(cls, state: Optional[list[list[Any]]]) -> "CollectiveTally":
-        tally = cls()
-        for kind, nbytes, count in state or []:
-            tally.counts[(str(kind), int(nbytes))] = int(count)
-        return tally
-
-    def time(self, network: Network, workers: int) -> float:
-        """Seconds the counted collectives take on ``network`` when issued one after another."""
-        return sum(count * network.time(kind, nbytes, workers) for (kind, nbytes), count in self.counts.items())
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
 
 
 def dense_time(totals: StepStats, network: Network, workers: int) -> float:
@@ -98,29 +68,13 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
     return "\n".join(lines)
 
 
-def summarise(hook_state: Any, compressor: "Compressor", workers: int, network: Optional[Network] = None,
+def summarise(hook_state: Any, compressor: object, workers: int, network: Optional[Network] = None,
               mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda values: values) -> str:
     """The summary of ``hook_state``'s running totals (``totals``, ``tally``), averaged over ranks by
-    ``mean_over_ranks`` (a collective where ranks are processes: every rank must call it)."""
+    ``mean_over_ranks`` (a collective where ranks are processes: every rank must call it); ``compressor``
+    is described by its ``repr``."""
     values = torch.tensor(hook_state.totals.as_list(), dtype=torch.float64)
     totals = StepStats.from_list(mean_over_ranks(values).tolist())
     comm_s = hook_state.tally.time(network, workers) if network is not None else None
     dense_s = dense_time(totals, network, workers) if network is not None else None
     return format_summary(repr(compressor), workers, totals, comm_s, dense_s, network)
-
-
-def print_fit_summary(strategy: Any) -> None:
-    """At the end of ``fit`` (a Trainer strategy's ``on_train_end``; every rank calls it): rank 0 prints
-    :func:`summarise`, unless ``strategy.print_summary`` is off. The network model is that of the
-    Trainer's :class:`~lightning_gradcomp.callbacks.CompressionMonitor`, if it has one."""
-    if not strategy.print_summary or strategy.hook_state is None:
-        return
-    from lightning_gradcomp.callbacks.monitor import CompressionMonitor
-
-    callbacks = strategy.lightning_module.trainer.callbacks
-    network = next((callback.network for callback in callbacks if isinstance(callback, CompressionMonitor)), None)
-    device = strategy.root_device
-    text = summarise(strategy.hook_state, strategy.compressor, strategy.compression_workers, network,
-                     lambda values: strategy.reduce(values.to(device), reduce_op="mean").cpu())
-    if strategy.is_global_zero:
-        print(text, flush=True)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gradcomp.exchange.drivers import TorchDriver
-from lightning_gradcomp.hook import GradCompHookState
+from lightning_gradcomp.ddp.hook import GradCompHookState
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ class HierarchicalHookState(GradCompHookState):
 
     Args:
         compressor, param_names, error_feedback, min_compress_numel, seed: as for
-            :class:`~lightning_gradcomp.hook.GradCompHookState`.
+            :class:`~lightning_gradcomp.ddp.hook.GradCompHookState`.
         intra_group / cross_group: from :func:`node_groups`.
 
     The collectives are logged as ``node:all_reduce`` (inside the node) and ``cross:<kind>`` (between

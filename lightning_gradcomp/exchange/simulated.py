@@ -11,23 +11,24 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
-from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import CollectiveTally
-from lightning_gradcomp.telemetry import StepRecorder
+from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
+from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.tally import CollectiveTally
+from lightning_gradcomp.metrics.telemetry import StepRecorder
 
 
 class SimulatedExchange:
     """Each simulated worker's exchange, run by the same engine as the DDP hook, in lock-step.
 
     Per step: :meth:`add_worker` once per worker (in worker order), then :meth:`finish_step`. The whole
-    model is one bucket. Each worker has its own :class:`~lightning_gradcomp.pipeline.WorkerPipeline`
+    model is one bucket. Each worker has its own :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline`
     (residuals, compressor state); the :class:`~lightning_gradcomp.exchange.drivers.InProcessDriver`
     combines their collectives, and worker 0 writes the aggregate, which equals what every rank of a
     real run computes.
 
     With ``local_size = L > 1`` the workers are the nodes of the hierarchical exchange
-    (:mod:`lightning_gradcomp.hierarchy`): each is fed its node's average gradient, its collectives are
+    (:mod:`lightning_gradcomp.ddp.hierarchy`): each is fed its node's average gradient, its collectives are
     logged as ``cross:<kind>`` next to the two dense ``node:all_reduce`` of the bucket inside the node,
     and ``bytes_sent`` is per process (the node's payloads are shared out among its ``L`` processes).
 
@@ -55,7 +56,7 @@ class SimulatedExchange:
         self.tally = CollectiveTally()
         self.step_stats = StepStats()
         #: whether :meth:`finish_step` reads the measured figures from the device (see
-        #: :attr:`~lightning_gradcomp.hook.GradCompHookState.telemetry_due`)
+        #: :attr:`~lightning_gradcomp.ddp.hook.GradCompHookState.telemetry_due`)
         self.telemetry_due = True
         self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}
@@ -170,14 +171,10 @@ class SimulatedExchange:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
-        """One state per worker, in the format of the DDP hook's per-rank state."""
-        self.read_measurements()
-        return [{"step": self.step, "memory": p.memory.state_dict(), "totals": self.totals.state_dict(),
-                 "collectives": self.tally.state_dict()} for p in self.pipelines]
+        """One state per worker, in the format of the DDP hook's per-rank state
+        (:func:`~lightning_gradcomp.exchange.state.worker_state`)."""
+        return [worker_state(self.step, pipeline.memory, self.totals, self.tally) for pipeline in self.pipelines]
 
     def load_state_dicts(self, states: list[dict[str, Any]], device: torch.device) -> None:
         for pipeline, state in zip(self.pipelines, states):
-            pipeline.memory.load_state_dict(state["memory"], device)
-        self.step = int(states[0]["step"])
-        self.totals = StepStats.from_state_dict(states[0].get("totals", {}))
-        self.tally = CollectiveTally.from_state_dict(states[0].get("collectives"))
+            self.step, self.totals, self.tally = restore_worker_state(state, pipeline.memory, device)

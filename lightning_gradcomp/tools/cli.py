@@ -6,7 +6,7 @@ be given as ``trainer.strategy: gradcomp`` or as a ``class_path`` with a compres
     gradcomp fit --config recipes/quickstart_digits.yaml
 
 ``gradcomp estimate ...`` predicts, before training, whether compression pays on a given network
-(:mod:`lightning_gradcomp.estimate`).
+(:mod:`lightning_gradcomp.tools.estimate`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main(args: ArgsType = None) -> None:
     argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
     try:
         if argv[:1] == ["estimate"]:
-            from lightning_gradcomp.estimate import run
+            from lightning_gradcomp.tools.estimate import run
 
             run(argv[1:])
         else:

@@ -18,16 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gradcomp.compressors.base import Compressor, check_bool
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
 from lightning_gradcomp.exchange.thread import ExchangeStreams, ExchangeThread, exchange_group, group_timeout
-from lightning_gradcomp.memory import CompressionMemory
-from lightning_gradcomp.options import exchange_options
-from lightning_gradcomp.pipeline import WorkerPipeline, resolve_error_feedback, warn_nonfinite
-from lightning_gradcomp.stats import StepStats
-from lightning_gradcomp.summary import CollectiveTally
+from lightning_gradcomp.exchange.memory import CompressionMemory
+from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
+from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
+from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.tally import CollectiveTally
 
 
 class GradCompHookState:
@@ -59,7 +61,7 @@ class GradCompHookState:
 
     Attributes:
         telemetry: measure compression error and time (set by
-            :class:`~lightning_gradcomp.callbacks.CompressionMonitor`); off, the hook does no extra work.
+            :class:`~lightning_gradcomp.lightning.callbacks.CompressionMonitor`); off, the hook does no extra work.
         telemetry_due: whether :meth:`take_step_stats` brings the measured figures to the host (one host
             synchronisation on accelerators); the monitor sets it on the steps it logs. Unread figures
             are kept on the device and reach :attr:`totals` at the next read.
@@ -235,18 +237,16 @@ class GradCompHookState:
             self._stats.buckets += 1
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint entry (:func:`~lightning_gradcomp.exchange.state.worker_state`)."""
         self._close_step()
-        return {"step": self.step, "memory": self.memory.state_dict(), "totals": self.totals.state_dict(),
-                "collectives": self.tally.state_dict()}
+        return worker_state(self.step, self.memory, self.totals, self.tally)
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Restore a :meth:`state_dict` (``device``: where the memory goes). On CUDA the tensors are
         created on the exchange stream, which later reads and frees them."""
-        self.step = self._closed_step = int(state["step"])
         with self.streams.entered(torch.device(device)):
-            self.memory.load_state_dict(state["memory"], device)
-        self._totals = StepStats.from_state_dict(state.get("totals", {}))
-        self.tally = CollectiveTally.from_state_dict(state.get("collectives"))
+            step, self._totals, self.tally = restore_worker_state(state, self.memory, device)
+        self.step = self._closed_step = step
 
     def gather_group(self) -> Optional[dist.ProcessGroup]:
         """The group that gathers checkpoint entries: :attr:`checkpoint_group`, or a gloo group of the

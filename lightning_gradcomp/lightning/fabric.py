@@ -12,7 +12,7 @@
 
 Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subclass wraps the model in
 ``DistributedDataParallel`` as Fabric does and registers the exchange through
-:func:`~lightning_gradcomp.handle.register`, on CPU (gloo) and GPU (nccl) alike.
+:func:`~lightning_gradcomp.ddp.handle.register`, on CPU (gloo) and GPU (nccl) alike.
 """
 
 from __future__ import annotations
@@ -32,20 +32,22 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.checkpointing import CHECKPOINT_KEY
-from lightning_gradcomp.compressors.base import Compressor, check_bool
-from lightning_gradcomp.handle import GradCompHandle, register
-from lightning_gradcomp.netmodel import Network
-from lightning_gradcomp.options import (
-    REGISTERED_VARIANTS,
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.handle import GradCompHandle, register
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_process_group_backend,
     check_start_method,
     check_timeout,
-    exchange_options,
+    REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.pipeline import check_fit_setup, resolve_error_feedback
-from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
+from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.metrics.stats import StepStats
 
 
 class GradCompFabricStrategy(DDPStrategy):
@@ -107,7 +109,7 @@ class GradCompFabricStrategy(DDPStrategy):
         return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
 
     def summary(self, network: Optional[Network] = None) -> str:
-        """The end-of-training table (:mod:`lightning_gradcomp.summary`), averaged over ranks; every rank
+        """The end-of-training table (:mod:`lightning_gradcomp.metrics.summary`), averaged over ranks; every rank
         must call it (print it on rank 0: ``fabric.print(fabric.strategy.summary())``)."""
         if self.gradcomp is None:
             raise RuntimeError("GradCompFabricStrategy.summary(): no model has been set up yet (fabric.setup)")

@@ -7,17 +7,16 @@ real N-process run and an N-worker simulation write the same format.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.stats import StepStats
+from lightning_gradcomp.metrics.stats import StepStats
 
 if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompHookState
+    from lightning_gradcomp.ddp.hook import GradCompHookState
 
 CHECKPOINT_KEY = "gradcomp"
 VERSION = 1
@@ -34,7 +33,7 @@ def gather_entry(hook_state: "GradCompHookState", compressor: Compressor) -> Opt
     """Collective over the hook state's ``checkpoint_group`` (the exchange's group; the whole world in
     hierarchical mode): every rank's state, packed on the group's first rank (``None`` on the others).
     Every rank of the group must call it. The states (CPU copies) travel over a gloo group of the same
-    ranks (:meth:`~lightning_gradcomp.hook.GradCompHookState.gather_group`): an NCCL gather of objects
+    ranks (:meth:`~lightning_gradcomp.ddp.hook.GradCompHookState.gather_group`): an NCCL gather of objects
     would stage every rank's pickled state in the first rank's GPU memory."""
     group = hook_state.gather_group()
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -53,7 +52,7 @@ def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compress
     name = type(compressor).__name__
     layout = getattr(hook_state, "layout", "flat")
     if saved["world_size"] != workers or saved["compressor"] != name or saved.get("layout", "flat") != layout:
-        rank_zero_warn(describe_dropped(saved, workers, name, layout))
+        _warn_on_first_rank(describe_dropped(saved, workers, name, layout))
         hook_state.totals = mean_totals(saved["ranks"])
         hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
         return
@@ -64,36 +63,6 @@ def mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
     """The running totals averaged over the saved workers (kept when the residuals cannot be)."""
     totals = [StepStats.from_state_dict(rank.get("totals", {})) for rank in ranks]
     return StepStats.from_list([sum(values) / len(totals) for values in zip(*(t.as_list() for t in totals))])
-
-
-class RestoresCompressionState:
-    """Mixin for the strategies: stash the entry when Lightning loads a checkpoint (before ``setup``),
-    apply it when ``setup`` builds the exchange state of a ``fit`` (``_restore_pending``), drop it at
-    ``teardown``.
-
-    The host class provides ``hook_state``, ``compressor``, ``compression_workers`` and
-    ``_load_worker_states(ranks)``.
-    """
-
-    _pending_checkpoint: Optional[dict[str, Any]] = None
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
-        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
-        return checkpoint
-
-    @override
-    def teardown(self) -> None:
-        """An entry loaded for another stage (``validate``, ``test``) never reaches a later ``fit``."""
-        self._pending_checkpoint = None
-        super().teardown()  # type: ignore[misc]
-
-    def _restore_pending(self) -> None:
-        saved, self._pending_checkpoint = self._pending_checkpoint, None
-        if saved is not None and self.hook_state is not None:
-            restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states)
 
 
 def check_format(saved: dict[str, Any]) -> None:
@@ -126,3 +95,9 @@ def describe_dropped(saved: dict[str, Any], workers: int, name: str, layout: str
         f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat) and "
         "the running totals (averaged over the saved workers)."
     )
+
+
+def _warn_on_first_rank(message: str) -> None:
+    """A warning from rank 0 only (every rank restores the same entry)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)

@@ -1,6 +1,6 @@
 """Per-worker memory of the compression: error-feedback residuals and compressor state.
 
-Error feedback (Seide et al. 2014; Stich et al. 2018; 000 §3.1.1; 003 Alg. 1)::
+Error feedback (Seide et al. 2014; Stich et al. 2018; Sahu et al. 2021, Alg. 1)::
 
     p_t     = g_t + e_t          (compensate)
     send      C(p_t)
@@ -10,14 +10,14 @@ so that ``C(p_t) + e_{t+1} == p_t``. For sparsifiers the invariant holds bit for
 ``p_t`` with the sent coordinates set to exactly zero.
 
 Residuals are kept in fp32 (fp64 for fp64 gradients) whatever the gradient's dtype
-(:func:`~lightning_gradcomp.compressors.device.state_dtype`): with bf16 or fp16 parameters a small
+(:func:`~lightning_gradcomp.core.device.state_dtype`): with bf16 or fp16 parameters a small
 gradient added to a larger residual would otherwise round away, and error feedback would stop
 delivering it. ``p_t`` is formed in that dtype; only what the compressor sends is cast.
 
 Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
 first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
 a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
-it was (see :mod:`lightning_gradcomp.pipeline` for what the exchange does on such a step).
+it was (see :mod:`lightning_gradcomp.exchange.pipeline` for what the exchange does on such a step).
 
 Cost: ``p_t`` is written into a buffer kept from the previous step (on CPU, where a fresh allocation of
 a large tensor costs page faults, about two extra passes over memory), and becomes the residual once
@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Finite, keep_if_finite
-from lightning_gradcomp.compressors.device import state_dtype
+from lightning_gradcomp.core.tensors import Finite, keep_if_finite
+from lightning_gradcomp.core.device import state_dtype
 
 
 class CompressionMemory:
@@ -63,7 +63,7 @@ class CompressionMemory:
         """Store ``e = p - C(p)``, unless the gradient was not finite (then the residual stays as it was).
 
         ``corrected`` (``p``) is consumed: ``subtract`` (``p -= C(p)``, the exchange's
-        :class:`~lightning_gradcomp.exchange.protocol.Outcome`) runs in its storage. Returns the new
+        :class:`~lightning_gradcomp.core.protocol.Outcome`) runs in its storage. Returns the new
         residual, or ``None`` when it was left unchanged.
         """
         if finite is False:

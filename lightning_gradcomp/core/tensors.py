@@ -1,0 +1,61 @@
+"""Tensor helpers every layer uses: finiteness (without host reads on accelerators), norms, item sizes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.core.device import host_reads_allowed
+
+#: Whether a gradient is finite: a Python bool on CPU, a 0-d bool tensor on accelerators (no host sync).
+Finite = Union[bool, Tensor]
+
+
+def all_finite(tensor: Tensor) -> Finite:
+    """Whether every element of ``tensor`` is finite, in one reduction pass.
+
+    A sum is NaN or infinite whenever an element is (``inf - inf`` is NaN), so one sum (in fp32 for 16-bit
+    inputs) decides; a sum that overflows although every element is finite (values near 1e38) also
+    counts as non-finite, which the averaged result would be anyway. On CPU the answer is a bool; on
+    other devices a 0-d tensor, so that the hook never waits for the device
+    (:func:`~lightning_gradcomp.core.device.host_reads_allowed`).
+    """
+    total = tensor.sum(dtype=torch.float32) if tensor.dtype in (torch.float16, torch.bfloat16) else tensor.sum()
+    finite = torch.isfinite(total)
+    return bool(finite) if host_reads_allowed(tensor.device) else finite
+
+
+def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:
+    """``new`` if ``finite``, else ``previous`` (``None``: nothing yet): state is never replaced by the
+    result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync)."""
+    if finite is True:
+        return new
+    if finite is False:
+        return previous
+    fallback = previous if previous is not None and previous.shape == new.shape else torch.zeros_like(new)
+    return torch.where(finite, new, fallback)
+
+
+def both_finite(first: Finite, second: Finite) -> Finite:
+    """``first and second`` for flags that are bools or 0-d bool tensors (no host read)."""
+    if first is False or second is False:
+        return False
+    if first is True:
+        return second
+    if second is True:
+        return first
+    return first & second
+
+
+def squared_norm(tensor: Tensor) -> Tensor:
+    """``‖tensor‖²`` as a 0-d float64 tensor on the tensor's device (one pass, no copy)."""
+    return torch.linalg.vector_norm(tensor).double() ** 2
+
+
+@functools.lru_cache(maxsize=None)
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()

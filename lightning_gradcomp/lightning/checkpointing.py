@@ -1,0 +1,40 @@
+"""The compression state in Lightning checkpoints: stashed when Lightning loads one, restored when the
+exchange is built (the entry's format: :mod:`lightning_gradcomp.ddp.checkpoint`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from typing_extensions import override
+
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, restore_entry
+
+
+class RestoresCompressionState:
+    """Mixin for the strategies: stash the entry when Lightning loads a checkpoint (before ``setup``),
+    apply it when ``setup`` builds the exchange state of a ``fit`` (``_restore_pending``), drop it at
+    ``teardown``.
+
+    The host class provides ``hook_state``, ``compressor``, ``compression_workers`` and
+    ``_load_worker_states(ranks)``.
+    """
+
+    _pending_checkpoint: Optional[dict[str, Any]] = None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        """An entry loaded for another stage (``validate``, ``test``) never reaches a later ``fit``."""
+        self._pending_checkpoint = None
+        super().teardown()  # type: ignore[misc]
+
+    def _restore_pending(self) -> None:
+        saved, self._pending_checkpoint = self._pending_checkpoint, None
+        if saved is not None and self.hook_state is not None:
+            restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states)

@@ -1,0 +1,1 @@
+"""Command-line tools: ``gradcomp fit/validate/test`` (LightningCLI) and ``gradcomp estimate``."""
