@@ -39,7 +39,7 @@ from lightning_gradcomp.lightning.strategy import GradCompStrategy
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 GradCompStrategy.register_strategies(StrategyRegistry)
 GradCompSimStrategy.register_strategies(StrategyRegistry)

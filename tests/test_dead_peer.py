@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests._processes import free_port
 
 pytestmark = pytest.mark.multiprocess
 

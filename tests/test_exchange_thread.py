@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,5 @@
-"""Real 2-process Lightning Fabric runs (popen launcher, gloo) with the gradcomp strategy."""
+"""Lightning Fabric with the gradcomp strategy: real 2-process runs (popen launcher, gloo), and the
+registry and option checks in process."""
 
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ from lightning.fabric import Fabric
 
 import lightning_gradcomp
 from lightning_gradcomp import GradCompFabricStrategy, TopK
-from tests.test_lightning_ddp import EPOCHS, STEPS_PER_EPOCH, _params_equal
 
-pytestmark = pytest.mark.multiprocess
+from tests._processes import EPOCHS, STEPS_PER_EPOCH, params_equal
 
 
+@pytest.mark.multiprocess
 def test_none_gives_parameters_identical_to_fabric_ddp(fabric_runs) -> None:
     ddp, _ = fabric_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS)
     none, _ = fabric_runs("none", "--strategy", "gradcomp", "--compressor", "none", "--epochs", EPOCHS)
     assert none[0]["hook_step"] == 10 * STEPS_PER_EPOCH
-    assert _params_equal(ddp[0]["params"], none[0]["params"])
-    assert _params_equal(none[0]["params"], none[1]["params"])
+    assert params_equal(ddp[0]["params"], none[0]["params"])
+    assert params_equal(none[0]["params"], none[1]["params"])
 
 
+@pytest.mark.multiprocess
 def test_gradcomp_by_name_trains_within_two_points_and_resumes_exactly(fabric_runs) -> None:
     ddp, _ = fabric_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS)
     ckpt = str(fabric_runs.root / "topk.ckpt")
@@ -30,7 +32,7 @@ def test_gradcomp_by_name_trains_within_two_points_and_resumes_exactly(fabric_ru
         assert rank["hook_step"] == 10 * STEPS_PER_EPOCH
         assert len(rank["steps"]) == 10 * STEPS_PER_EPOCH
         assert all(s["buckets"] == 1 and s["bytes_dense"] / s["bytes_sent"] > 25 for s in rank["steps"])
-    assert _params_equal(topk[0]["params"], topk[1]["params"])
+    assert params_equal(topk[0]["params"], topk[1]["params"])
     assert topk[0]["test_acc"] >= ddp[0]["test_acc"] - 0.02, (topk[0]["test_acc"], ddp[0]["test_acc"])
     assert "measured ratio" in topk[0]["summary"] and "TopK(density=0.01" in topk[0]["summary"]
 
@@ -41,7 +43,7 @@ def test_gradcomp_by_name_trains_within_two_points_and_resumes_exactly(fabric_ru
         assert rest["hook_step"] == whole["hook_step"]
         assert rest["residual_norm"] == whole["residual_norm"], "each rank's residuals survive the resume"
         assert rest["totals"] == whole["totals"]
-        assert _params_equal(rest["params"], whole["params"])
+        assert params_equal(rest["params"], whole["params"])
 
 
 def test_fabric_registry_and_bad_options() -> None:

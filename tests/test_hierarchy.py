@@ -7,7 +7,7 @@ import pytest
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.ddp.hierarchy import partition
 from lightning_gradcomp.metrics.netmodel import Network
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 
 def test_partition_balances_sizes_and_is_deterministic() -> None:
@@ -53,7 +53,7 @@ def test_lightning_two_nodes_of_two_processes_train_hierarchically(tmp_path) -> 
 
     import torch
 
-    from tests.conftest import SCRIPTS, free_port
+    from tests._processes import SCRIPTS, free_port
 
     port = str(free_port())
     ckpt = tmp_path / "hier.ckpt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests import _gloo_workers as workers
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,22 +8,17 @@ import math
 import pytest
 import torch
 
+from tests._processes import EPOCHS, STEPS_PER_EPOCH, params_equal
+
 pytestmark = pytest.mark.multiprocess
-
-EPOCHS = "10"
-STEPS_PER_EPOCH = 22  # 1348 training images / 2 ranks / batch 32, rounded up
-
-
-def _params_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_none_gives_parameters_identical_to_plain_ddp(lightning_runs) -> None:
     ddp, _ = lightning_runs("ddp", "--strategy", "ddp", "--epochs", EPOCHS, "--test")
     none, _ = lightning_runs("none", "--compressor", "none", "--epochs", EPOCHS)
     assert ddp[0]["global_step"] == none[0]["global_step"] == 10 * STEPS_PER_EPOCH
-    assert _params_equal(ddp[0]["params"], none[0]["params"])
-    assert _params_equal(none[0]["params"], none[1]["params"])
+    assert params_equal(ddp[0]["params"], none[0]["params"])
+    assert params_equal(none[0]["params"], none[1]["params"])
 
 
 def test_topk_hook_runs_every_step_and_accuracy_is_within_two_points(lightning_runs) -> None:
@@ -38,7 +33,7 @@ def test_topk_hook_runs_every_step_and_accuracy_is_within_two_points(lightning_r
         assert len(rank["steps"]) == steps
         assert all(s["buckets"] >= 1 and s["bytes_sent"] > 0 for s in rank["steps"]), "the hook ran on every step"
         assert [s["hook_step"] for s in rank["steps"]] == list(range(1, steps + 1))
-    assert _params_equal(topk[0]["params"], topk[1]["params"]), "ranks hold identical parameters"
+    assert params_equal(topk[0]["params"], topk[1]["params"]), "ranks hold identical parameters"
     first = topk[0]["steps"][0]
     assert first["bytes_dense"] / first["bytes_sent"] > 25  # biases go dense, so below 50x
     assert topk[0]["test_acc"] >= ddp[0]["test_acc"] - 0.02, (topk[0]["test_acc"], ddp[0]["test_acc"])
@@ -70,7 +65,7 @@ def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
         assert a["hook_step"] == b["hook_step"] == 4 * STEPS_PER_EPOCH
         assert a["residual_norm"] == b["residual_norm"]
         assert a["totals"] == b["totals"], "running totals (bytes, density, error) survive the resume"
-        assert _params_equal(a["params"], b["params"])
+        assert params_equal(a["params"], b["params"])
 
 
 def test_resume_with_another_world_size_drops_residuals_with_a_warning(lightning_runs) -> None:

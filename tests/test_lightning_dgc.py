@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_lightning_ddp import STEPS_PER_EPOCH
+from tests._processes import STEPS_PER_EPOCH
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,7 +21,7 @@ def test_dgc_at_density_one_equals_momentum_sgd_under_plain_ddp(lightning_runs) 
 
 
 def test_dgc_refuses_an_optimizer_with_momentum(lightning_runs, tmp_path) -> None:
-    from tests.conftest import run_lightning
+    from tests._processes import run_lightning
 
     with pytest.raises(AssertionError, match="holds the momentum, but SGD applies momentum=0.9"):
         run_lightning(tmp_path, "refused", "--compressor", "dgc", "--epochs", "1", "--momentum", "0.9", "--devices", "1")

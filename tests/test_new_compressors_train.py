@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 WITHIN_TWO_POINTS = ["efsignsgd", "terngrad", "int8", "int4", "fp8", "signsgd+ef"]
 SETTINGS = {"signsgd+ef": ("signsgd", {}, True), "signum": ("signsgd", {"momentum": 0.9}, None)}

@@ -14,7 +14,7 @@ import torch
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.simulation import SimulatedExchange
 from tests._gloo_workers import conformance_settings
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 NAMES = sorted(COMPRESSORS)
 SHAPES = {"a.weight": (32, 40), "b.weight": (24, 30), "b.bias": (24,)}

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import CompressContext, HardThreshold, TopK
 from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradCompSimStrategy, SimulatedExchange, current_worker
-from tests.test_lightning_ddp import STEPS_PER_EPOCH
+from tests._processes import STEPS_PER_EPOCH
 
 
 def test_each_worker_has_its_own_residual_and_each_obeys_the_invariant() -> None:

@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.metrics.netmodel import Network
 from tests import _gloo_workers as workers
-from tests.conftest import run_gloo
+from tests._processes import run_gloo
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests._processes import free_port
 
 pytestmark = pytest.mark.multiprocess
 

@@ -7,6 +7,7 @@ real N-process run and an N-worker simulation write the same format.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -17,6 +18,8 @@ from lightning_gradcomp.metrics.stats import StepStats
 
 if TYPE_CHECKING:
     from lightning_gradcomp.ddp.hook import GradCompHookState
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
 VERSION = 1
@@ -57,6 +60,7 @@ def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compress
         hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
         return
     load_worker_states(saved["ranks"])
+    logger.info("gradcomp: restored the compression memory of %d workers of %s (layout %s)", workers, name, layout)
 
 
 def mean_totals(ranks: list[dict[str, Any]]) -> StepStats:

@@ -10,6 +10,7 @@ holds the configuration and the accounting; the protocol is the engine's, the co
 """
 
 import atexit
+import logging
 import threading
 import weakref
 from typing import Any, Optional, Union
@@ -113,6 +114,10 @@ class GradCompHookState:
         self._closed_step = 0
         self._lock = threading.Lock()
         self._cpu_group: Optional[dist.ProcessGroup] = None
+        logger.info("gradcomp hook on rank %d of %d: %r, error feedback %s, min_compress_numel %d, exchange thread %s",
+                    self.driver.rank, self.driver.world_size, self.compressor, "on" if self.error_feedback else "off",
+                    self.min_compress_numel,
+                    "on its own process group" if self._thread_driver is not None else "off (in the hook)")
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -326,6 +331,8 @@ class GradCompHookState:
             raise RuntimeError("gradcomp hook: a bucket holds a parameter the strategy did not name")
         return name
 
+
+logger = logging.getLogger(__name__)
 
 _LIVE_STATES: "weakref.WeakSet[GradCompHookState]" = weakref.WeakSet()
 _exit_cleanup_registered = False

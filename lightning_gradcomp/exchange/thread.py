@@ -21,6 +21,7 @@ future is created for the device, so DDP's wait makes its stream wait for the ex
 from __future__ import annotations
 
 import atexit
+import logging
 import queue
 import threading
 from contextlib import nullcontext
@@ -33,6 +34,8 @@ from torch.futures import Future
 
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport
+
+logger = logging.getLogger(__name__)
 
 _STOP = object()
 
@@ -129,6 +132,7 @@ class ExchangeThread:
                 self._thread = threading.Thread(target=self._loop, name="gradcomp-exchange", daemon=True)
                 self._thread.start()
                 atexit.register(self._close_at_exit)
+                logger.debug("gradcomp: exchange thread started")
 
     def _loop(self) -> None:
         while True:

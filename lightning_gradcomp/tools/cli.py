@@ -6,7 +6,8 @@ be given as ``trainer.strategy: gradcomp`` or as a ``class_path`` with a compres
     gradcomp fit --config recipes/quickstart_digits.yaml
 
 ``gradcomp estimate ...`` predicts, before training, whether compression pays on a given network
-(:mod:`lightning_gradcomp.tools.estimate`).
+(:mod:`lightning_gradcomp.tools.estimate`). ``gradcomp presets`` lists the recipes and configs shipped with
+the package; ``--config`` takes a recipe by its file name anywhere (:mod:`lightning_gradcomp.tools.presets`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import lightning as L
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightning_gradcomp  # noqa: F401  (registers the "gradcomp" strategies)
+from lightning_gradcomp.tools.presets import describe, resolve_config
 
 
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
@@ -45,8 +47,11 @@ def main(args: ArgsType = None) -> None:
             from lightning_gradcomp.tools.estimate import run
 
             run(argv[1:])
+        elif argv[:1] == ["presets"]:
+            print(describe())
         else:
-            build_cli(args)
+            resolved = with_presets(argv) if not isinstance(args, dict) else argv
+            build_cli(resolved if resolved != argv else args)
     except ValueError as error:
         if os.environ.get("GRADCOMP_TRACEBACK"):
             raise
@@ -55,6 +60,18 @@ def main(args: ArgsType = None) -> None:
             print(f"  {line}", file=sys.stderr)
         print("  (set GRADCOMP_TRACEBACK=1 for the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def with_presets(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--config``/``-c`` value that names no file replaced by the preset it names."""
+    out = []
+    for index, arg in enumerate(argv):
+        if index and argv[index - 1] in ("--config", "-c"):
+            arg = resolve_config(arg)
+        elif arg.startswith("--config="):
+            arg = "--config=" + resolve_config(arg.split("=", 1)[1])
+        out.append(arg)
+    return out
 
 
 #: Lines of jsonargparse's union reports that say nothing about the value itself.

@@ -1,0 +1,121 @@
+"""An independent oracle of one exchange step: what the aggregate must be, computed from each worker's
+own compression of its own input, without the engine (no merging, no wire layout, no drivers).
+
+For a one-round compressor the aggregate is the mean over workers of each worker's decoded payload
+``D(C(p_w))`` (then the compressor's ``finalize``), with ``p_w = g_w + e_w`` under error feedback; tensors
+below the size threshold are the mean of what each worker sends dense. The methods with a protocol of
+their own get their definition written out here: signSGD's majority vote, PowerSGD's projection of the
+mean onto the span of the averaged ``P`` (orthogonalised by QR, not by the package's Gram-Schmidt), the
+quantised all-reduce's average of every worker's quantised chunk, re-quantised by its owner.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from lightning_gradcomp.compressors import CompressContext, Compressor, Payload, PowerSGD, SignSGD
+from lightning_gradcomp.compressors.powersgd import Q_STATE
+from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL, _QuantisedAllReduce
+from lightning_gradcomp.exchange.simulated import SimulatedExchange
+
+
+def expected_aggregate(exchange: SimulatedExchange, named_grads: list[list[tuple[str, torch.Tensor]]],
+                       shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The aggregate of the exchange's next step, for every worker's gradients ``named_grads[w]``,
+    computed before the step from copies of every worker's memory."""
+    compressor = exchange.compressor
+    workers = exchange.workers
+    step = exchange.step
+    out = {}
+    for name, shape in shapes.items():
+        inputs, contexts = [], []
+        for worker in range(workers):
+            memory = exchange.pipelines[worker].memory
+            grad = dict(named_grads[worker])[name].reshape(-1)
+            ctx = CompressContext(name, step, worker, workers, exchange.seed,
+                                  copy.deepcopy(memory.states.get(name, {})), tuple(shape), True, grad.dtype)
+            compressed = grad.numel() >= exchange.min_compress_numel
+            residual = memory.residuals.get(name) if exchange.error_feedback and compressed else None
+            inputs.append((grad.float() + residual) if residual is not None else grad.float() if compressed else grad)
+            contexts.append(ctx)
+        if inputs[0].numel() < exchange.min_compress_numel:
+            out[name] = _summed([compressor.dense(x, ctx) for x, ctx in zip(inputs, contexts)]).double()
+        elif isinstance(compressor, SignSGD):
+            out[name] = _majority_vote(compressor, inputs, contexts)
+        elif isinstance(compressor, PowerSGD):
+            out[name] = _power_step(compressor, inputs, contexts)
+        elif isinstance(compressor, _QuantisedAllReduce):
+            out[name] = _quantised_all_reduce(compressor, inputs, contexts)
+        else:
+            out[name] = _mean_of_decoded(compressor, inputs, contexts)
+    return out
+
+
+def _summed(values: list[torch.Tensor]) -> torch.Tensor:
+    """``Σ_w values[w] / N`` in the values' own dtype: what an all-reduce of 16-bit values computes."""
+    total = values[0] / len(values)
+    for value in values[1:]:
+        total = total + value / len(values)
+    return total
+
+
+def _mean_of_decoded(compressor: Compressor, inputs: list[torch.Tensor], contexts: list[CompressContext]) -> torch.Tensor:
+    payloads = [compressor.compress(x, ctx) for x, ctx in zip(inputs, contexts)]
+    if compressor.all_reducible:  # summed on the wire, in the payload's dtype, then decoded once
+        first = payloads[0]
+        summed = tuple(_summed([payload.parts[i] for payload in payloads]) for i in range(len(first.parts)))
+        mean = compressor.decompress(Payload(summed, first.numel, first.count, first.meta), torch.float64)
+    else:
+        mean = torch.stack([compressor.decompress(payload, torch.float64) for payload in payloads]).mean(0)
+    compressor.finalize(mean, contexts[0])
+    return mean
+
+
+def _majority_vote(compressor: SignSGD, inputs: list[torch.Tensor], contexts: list[CompressContext]) -> torch.Tensor:
+    """sign(Σ_w sign(v_w)) · mean of the workers' scales, with a zero sent as +."""
+    signs, scales = [], []
+    for x, ctx in zip(inputs, contexts):
+        voted = compressor._voted(x, ctx).double()
+        signs.append(torch.where(voted < 0, -1.0, 1.0).double())
+        scales.append(1.0 if compressor.scale == "none" else float(voted.abs().mean()))
+    return torch.stack(signs).sum(0).sign() * (sum(scales) / len(scales))
+
+
+def _power_step(compressor: PowerSGD, inputs: list[torch.Tensor], contexts: list[CompressContext]) -> torch.Tensor:
+    """P̂ P̂ᵀ mean(M_w), P̂ an orthonormal basis of mean(M_w Q); Q the kept one, or the shared first draw."""
+    matrix = compressor.matrix_shape(contexts[0].shape) if contexts[0].step >= compressor.start_step else None
+    if matrix is None:
+        return torch.stack([x.double() for x in inputs]).mean(0)
+    n, m, r = matrix
+    kept = contexts[0].state.get(Q_STATE)
+    q = compressor._start_q(contexts[0], m, r, torch.float32, inputs[0].device) if kept is None else kept
+    mats = [x.view(n, m).double() for x in inputs]
+    p = torch.stack([mat @ q.double() for mat in mats]).mean(0)
+    basis = torch.linalg.qr(p).Q
+    return (basis @ basis.T @ torch.stack(mats).mean(0)).reshape(-1)
+
+
+def _quantised_all_reduce(compressor: _QuantisedAllReduce, inputs: list[torch.Tensor],
+                          contexts: list[CompressContext]) -> torch.Tensor:
+    """Per chunk: the mean of every worker's quantised version, plus its owner's residual, quantised."""
+    workers, numel = len(inputs), inputs[0].numel()
+    chunk, padded = compressor._chunk(numel, workers)
+    result = torch.zeros(numel, dtype=torch.float64)
+    for owner in range(workers):
+        start, stop = owner * chunk, min(numel, (owner + 1) * chunk)
+        if start >= stop:
+            continue
+        versions = []
+        for x in inputs:
+            part = torch.zeros(padded)
+            part[: stop - start] = x[start:stop].float()
+            versions.append(compressor._decode(*compressor._encode(part.view(-1, compressor.block_size))))
+        mean = torch.stack(versions).mean(0)
+        residual = contexts[owner].state.get(OWNER_RESIDUAL)
+        if compressor.owner_error_feedback and residual is not None:
+            mean = mean + residual
+        requantised = compressor._decode(*compressor._encode(mean)).reshape(-1)
+        result[start:stop] = requantised[: stop - start].double()
+    return result
