@@ -11,9 +11,9 @@ from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, restore_entry
 
 
 class RestoresCompressionState:
-    """Mixin for the strategies: stash the entry when Lightning loads a checkpoint (before ``setup``),
-    apply it when ``setup`` builds the exchange state of a ``fit`` (``_restore_pending``), drop it at
-    ``teardown``.
+    """Mixin for the Trainer strategies' exchange state across a ``fit``: stash the checkpoint entry when
+    Lightning loads a checkpoint (before ``setup``), apply it when ``setup`` builds the exchange state
+    (``_restore_pending``); at ``teardown`` close the exchange state and drop an unused entry.
 
     The host class provides ``hook_state``, ``compressor``, ``compression_workers`` and
     ``_load_worker_states(ranks)``.
@@ -30,7 +30,10 @@ class RestoresCompressionState:
 
     @override
     def teardown(self) -> None:
-        """An entry loaded for another stage (``validate``, ``test``) never reaches a later ``fit``."""
+        """Close the exchange (its thread; non-finite warnings still in flight); an entry loaded for
+        another stage (``validate``, ``test``) never reaches a later ``fit``."""
+        if getattr(self, "hook_state", None) is not None:
+            self.hook_state.close()
         self._pending_checkpoint = None
         super().teardown()  # type: ignore[misc]
 

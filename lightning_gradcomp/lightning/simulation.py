@@ -239,12 +239,6 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
         super().on_train_end()
         print_fit_summary(self)
 
-    @override
-    def teardown(self) -> None:
-        if self.hook_state is not None:
-            self.hook_state.close()
-        super().teardown()
-
     # ------------------------------------------------------------------ checkpoint
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

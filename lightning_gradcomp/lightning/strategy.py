@@ -193,12 +193,6 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 
-    @override
-    def teardown(self) -> None:
-        if self.hook_state is not None:
-            self.hook_state.close()
-        super().teardown()
-
     # ------------------------------------------------------------------ per-step figures
     @override
     def optimizer_step(
