@@ -15,8 +15,8 @@ import lightning_gradcomp
 from lightning_gradcomp.compressors import COMPRESSORS, TopK
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
-from tests._sync_workers import fixed_size_variants
 from tests._processes import free_port
+from tests._sync_workers import fixed_size_variants
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., None], args: tuple) -> None:

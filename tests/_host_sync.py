@@ -21,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradcomp.core.device import accelerator_path
-from lightning_gradcomp.exchange.engine import ExchangeEngine
 from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.engine import ExchangeEngine
 
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::nonzero_static"}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_gradcomp.callbacks import AdaptiveCompression, GradientNormTrigger
-from lightning_gradcomp.lightning.callbacks.adaptive import critical_layers
 from lightning_gradcomp.compressors import QSGD
+from lightning_gradcomp.lightning.callbacks.adaptive import critical_layers
 
 LEVELS = [{"bits": 4}, {"bits": 8}, {"bits": 16}, None]
 

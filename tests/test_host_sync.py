@@ -12,8 +12,8 @@ from lightning_gradcomp.compressors import TopK
 from lightning_gradcomp.simulation import SimulatedExchange
 
 from tests._host_sync import HostReadError, checking_the_exchange
-from tests._sync_workers import fixed_size_variants
 from tests._processes import run_gloo
+from tests._sync_workers import fixed_size_variants
 
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (40, 64), "fc.bias": (40,)}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.compressors import QSGD, CompressContext, HardThreshold, RandomK, TopK
 from lightning_gradcomp.core.tensors import all_finite
+from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.memory import CompressionMemory
 
 

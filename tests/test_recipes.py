@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradcomp.tools.cli import build_cli
 from lightning_gradcomp.examples.language import EOS, UNK, PTBDataModule, batchify
+from lightning_gradcomp.tools.cli import build_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

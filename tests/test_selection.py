@@ -8,7 +8,6 @@ import torch
 
 from lightning_gradcomp.compressors import DGC, HardThreshold, TopK
 from lightning_gradcomp.compressors.base import CompressContext
-from lightning_gradcomp.core.tensors import all_finite
 from lightning_gradcomp.compressors.dgc import MOMENTUM, VELOCITY
 from lightning_gradcomp.compressors.selection import (
     block_layout,
@@ -18,6 +17,7 @@ from lightning_gradcomp.compressors.selection import (
     threshold_indices,
     topk_indices,
 )
+from lightning_gradcomp.core.tensors import all_finite
 
 
 def _tensor(distribution: str, numel: int, seed: int) -> torch.Tensor:

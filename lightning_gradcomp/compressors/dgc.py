@@ -17,9 +17,9 @@ from lightning_gradcomp.compressors.base import (
     sparse_count,
     squared_norm,
 )
-from lightning_gradcomp.core.protocol import Outcome
 from lightning_gradcomp.compressors.selection import check_selection, topk_indices
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
+from lightning_gradcomp.core.protocol import Outcome
 
 MOMENTUM = "momentum"
 VELOCITY = "velocity"

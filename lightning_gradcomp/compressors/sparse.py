@@ -20,8 +20,8 @@ from lightning_gradcomp.compressors.base import (
     check_density,
     sparse_count,
 )
-from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
 from lightning_gradcomp.compressors.selection import check_selection, select_threshold, select_topk
+from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
 
 
 class _ValuesAndIndices(Compressor):

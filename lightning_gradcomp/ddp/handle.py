@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.ddp.checkpoint import gather_entry, restore_entry
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import gather_entry, restore_entry
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats

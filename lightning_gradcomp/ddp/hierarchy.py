@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.drivers import TorchDriver
 
 T = TypeVar("T")
 

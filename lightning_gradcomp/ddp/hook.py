@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.compressors.identity import NoCompression
+from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
-from lightning_gradcomp.exchange.thread import ExchangeStreams, ExchangeThread, exchange_group, group_timeout
 from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
 from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
+from lightning_gradcomp.exchange.thread import ExchangeStreams, ExchangeThread, exchange_group, group_timeout
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 

@@ -41,10 +41,10 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext
-from lightning_gradcomp.core.tensors import all_finite, Finite
 from lightning_gradcomp.core.device import host_reads_allowed
-from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round
+from lightning_gradcomp.core.tensors import all_finite, Finite
+from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.pipeline import WorkerPipeline
 from lightning_gradcomp.metrics.telemetry import Stopwatch
 

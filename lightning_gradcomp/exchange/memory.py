@@ -34,8 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.tensors import Finite, keep_if_finite
 from lightning_gradcomp.core.device import state_dtype
+from lightning_gradcomp.core.tensors import Finite, keep_if_finite
 
 
 class CompressionMemory:

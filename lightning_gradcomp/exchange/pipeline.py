@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
-from lightning_gradcomp.core.tensors import Finite, squared_norm
 from lightning_gradcomp.core.protocol import Mean, Outcome, Round
+from lightning_gradcomp.core.tensors import Finite, squared_norm
 from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 

@@ -11,8 +11,8 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
-from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
+from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 from lightning_gradcomp.metrics.telemetry import StepRecorder

@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
-from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_process_group_backend,
@@ -45,8 +45,8 @@ from lightning_gradcomp.lightning.options import (
     check_timeout,
     REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
 

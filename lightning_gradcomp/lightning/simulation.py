@@ -14,16 +14,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, pack
-from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, pack
 from lightning_gradcomp.ddp.hierarchy import check_hierarchy, local_average
+from lightning_gradcomp.exchange.simulated import SimulatedExchange
+from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.options import configure_strategy
 from lightning_gradcomp.lightning.options import check_fit_setup
-from lightning_gradcomp.exchange.simulated import SimulatedExchange
-from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.metrics.stats import StepStats
 
 
 

@@ -18,13 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, gather_entry
-from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, gather_entry
 from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_process_group_backend,
@@ -34,8 +34,8 @@ from lightning_gradcomp.lightning.options import (
     REGISTERED_VARIANTS,
 )
 from lightning_gradcomp.lightning.options import check_fit_setup
-from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.metrics.stats import StepStats
 
 if TYPE_CHECKING:
     from lightning_gradcomp.lightning.simulation import GradCompSimStrategy

@@ -38,8 +38,8 @@ import yaml
 from torch import nn
 
 from lightning_gradcomp.compressors import FP16, Compressor, NoCompression
-from lightning_gradcomp.metrics.netmodel import TOPOLOGIES, Network
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
+from lightning_gradcomp.metrics.netmodel import TOPOLOGIES, Network
 
 #: The compressors tried by default: the presets in ``configs/compressors``, when run from a checkout.
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "compressors"

@@ -14,9 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
 
 Level = Optional[dict[str, Any]]  # compressor parameters to set; None = uncompressed
 

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
 from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import NUMERIC_FIELDS, StepStats
 

@@ -7,8 +7,8 @@ from typing import Any, Optional, Sequence
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from lightning_gradcomp.lightning.callbacks._access import strategy_compressor
 from lightning_gradcomp.core.checks import check_bool, check_density, check_int
+from lightning_gradcomp.lightning.callbacks._access import strategy_compressor
 
 
 def paper_densities(stages: int) -> list[float]:
