@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_gradcomp.compressors import BF16, DGC, FP16, QSGD, CompressContext, HardThreshold, NoCompression, RandomK, TopK
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.exchange.state import ExchangeState
 
 
 class ListBucket:
@@ -101,6 +102,7 @@ def check_counted_bytes_and_averages(rank: int, world_size: int) -> None:
     ]
     for compressor, uneven, tolerance in cases:
         state = GradCompHookState(compressor, names, error_feedback=False, min_compress_numel=1024)
+        assert isinstance(state, ExchangeState), "the hook state offers the declared contract"
         grads = _local_grads(rank, shapes, step=0, scale_by_rank=uneven)
         with CollectiveSpy() as spy:
             result = _exchange(state, params, grads)

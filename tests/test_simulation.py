@@ -14,6 +14,12 @@ from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradComp
 from tests._processes import STEPS_PER_EPOCH
 
 
+def test_the_simulated_exchange_offers_the_declared_contract() -> None:
+    from lightning_gradcomp.exchange.state import ExchangeState
+
+    assert isinstance(SimulatedExchange(TopK(0.1), workers=2), ExchangeState)
+
+
 def test_each_worker_has_its_own_residual_and_each_obeys_the_invariant() -> None:
     compressor = TopK(0.1)
     exchange = SimulatedExchange(compressor, workers=3, min_compress_numel=10)
