@@ -14,18 +14,30 @@ def test_estimate_runs_on_a_tiny_model_and_prices_bytes_on_the_network(capsys: p
     predictions = {p.name: p for p in run(TINY + ["--workers", "4", "--bandwidth", "100mbit",
                                                   "--compressors", "topk_50x", "int8_allreduce"])}
     output = capsys.readouterr().out
-    assert set(predictions) == {"DDP fp32", "fp16", "topk_50x", "int8_allreduce"}
-    dense, half, topk = predictions["DDP fp32"], predictions["fp16"], predictions["topk_50x"]
+    assert set(predictions) == {"DDP fp32", "DDP bf16", "DDP fp16", "topk_50x", "int8_allreduce"}
+    dense, half, topk = predictions["DDP fp32"], predictions["DDP bf16"], predictions["topk_50x"]
     numel = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
-    # the dense exchange is one all-reduce of the gradients and the engine's 4-byte finiteness flag
-    assert dense.bytes_sent == 4 * numel + 4 and half.bytes_sent == pytest.approx(2 * numel, rel=0.02)
+    # plain DDP: one all-reduce per bucket (one here: under DDP's first 1 MB) and no compression cost
+    assert dense.bytes_sent == 4 * numel and half.bytes_sent == 2 * numel
+    assert dense.compress_s == half.compress_s == 0 and topk.compress_s > 0
     # a ring all-reduce of S bytes among 4 workers at 100 Mbit/s: 2(N-1)/N S/B plus 2(N-1) latencies
-    assert dense.comm_s == pytest.approx(1.5 * (4 * numel + 4) * 8 / 100e6 + 6 * 50e-6, rel=1e-6)
+    assert dense.comm_s == pytest.approx(1.5 * 4 * numel * 8 / 100e6 + 6 * 50e-6, rel=1e-6)
     assert topk.bytes_sent < dense.bytes_sent / 20
     assert topk.step_s < dense.step_s, "at 100 Mbit/s a 50x smaller exchange is predicted faster"
     for name in predictions:
         assert f"| {name} |" in output
     assert "recommendation:" in output
+
+
+def test_ddp_is_priced_bucket_by_bucket_as_ddp_fills_them() -> None:
+    import torch
+
+    from lightning_gradcomp.tools.estimate import ddp_exchange
+
+    gradients = [(f"p{i}", torch.zeros(2**20)) for i in range(20)]  # 20 x 4 MiB in fp32
+    exchange = ddp_exchange("DDP fp32", gradients, 4)
+    assert [nbytes for _, nbytes in exchange.collectives] == [4 * 2**20, 28 * 2**20, 28 * 2**20, 20 * 2**20]
+    assert exchange.seconds == 0 and exchange.bytes_sent == 80 * 2**20
 
 
 def test_estimate_is_a_subcommand_of_the_gradcomp_cli(capsys: pytest.CaptureFixture) -> None:

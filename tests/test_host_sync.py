@@ -13,7 +13,7 @@ from lightning_gradcomp.simulation import SimulatedExchange
 
 from tests._host_sync import HostReadError, checking_the_exchange
 from tests._processes import run_gloo
-from tests._sync_workers import fixed_size_variants
+from tests._sync_workers import fixed_size_variants, reference_path
 
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (40, 64), "fc.bias": (40,)}
 
@@ -53,7 +53,8 @@ class _nothing:
 def test_the_in_process_driver_reads_nothing_on_the_host(label: str, compressor) -> None:
     with checking_the_exchange():
         accelerated = _simulate(compressor)
-    reference = _simulate(compressor)
+    with reference_path(label):
+        reference = _simulate(compressor)
     for step, (fast, slow) in enumerate(zip(accelerated, reference)):
         for name in slow:
             torch.testing.assert_close(fast[name], slow[name], rtol=1e-5, atol=1e-6, equal_nan=True,

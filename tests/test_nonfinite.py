@@ -82,8 +82,9 @@ def test_the_engine_leaves_the_check_to_compressors_that_find_it_and_refuses_one
     from lightning_gradcomp.exchange import engine as engine_module
 
     checked: list[int] = []
-    real = engine_module.all_finite
-    monkeypatch.setattr(engine_module, "all_finite", lambda tensor: checked.append(tensor.numel()) or real(tensor))
+    real = engine_module.all_finite_many
+    monkeypatch.setattr(engine_module, "all_finite_many",
+                        lambda tensors: checked.extend(tensor.numel() for tensor in tensors) or real(tensors))
     for compressor, expected in [(TopK(0.01), [24]), (DGC(0.01), [1280, 720, 24])]:
         checked.clear()
         exchange = SimulatedExchange(compressor, workers=1, min_compress_numel=100)

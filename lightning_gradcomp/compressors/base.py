@@ -41,7 +41,8 @@ from torch import Tensor
 
 # The helpers a compressor needs, importable from here by compressor authors:
 from lightning_gradcomp.core.checks import check_bool, check_density, check_int  # noqa: F401
-from lightning_gradcomp.core.protocol import Gather, Mean, Outcome, Protocol, Round
+from lightning_gradcomp.core.protocol import Gather, Mean, Outcome, Protocol, Round, SegmentsProtocol
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 from lightning_gradcomp.core.tensors import (  # noqa: F401
     Finite,
     all_finite,
@@ -292,6 +293,38 @@ class Compressor(ABC):
             self.finalize(out, ctx)
 
         return Outcome(payload.count, partial(self.accumulate, payload, alpha=-1.0), write, payload)
+
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """The alignment (in elements) of the tensors' segments when this compressor compresses a whole
+        bucket at once (:meth:`exchange_segments`) on ``device``, or ``None`` (default) for one
+        protocol per tensor (:meth:`exchange`)."""
+        return None
+
+    def segments_fit(self, numels: Sequence[int], align: int) -> bool:
+        """Whether a bucket of tensors of ``numels`` elements may take the bucket-wise path (default:
+        every tensor at least one row of ``align`` elements)."""
+        return all(numel >= align for numel in numels)
+
+    def _per_tensor_path_is(self, owner: type) -> bool:
+        """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of
+        them (a user's variant of a built-in) must not be bypassed by ``owner``'s bucket-wise path."""
+        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "compression_error", "static_count",
+                   "part_dtypes", "payload_numels", "wire_format")
+        return all(getattr(type(self), method) is getattr(owner, method) for method in methods)
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """The protocol of a whole bucket: the same rounds, counts and results as :meth:`exchange` of
+        every tensor, in a fixed number of tensor operations per bucket (a few kernels on a GPU, however
+        many tensors the bucket holds).
+
+        ``flat`` holds the tensors laid out by ``segments`` (gaps zero; fp32, or fp64 for fp64
+        gradients); ``contexts[i]`` is tensor ``i``'s context. Unless :attr:`checks_finite`, every
+        context's ``finite`` is set before the call; with it, this method sets them. Per-parameter state
+        is read and committed through ``state`` (flat buffers), not ``ctx.state``. Only compressors
+        whose :meth:`segment_alignment` is not ``None`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no exchange of a whole bucket")
 
     def payload_nbytes(self, numel: int, count: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of the payload parts (without alignment padding)."""

@@ -125,3 +125,73 @@ def _unpack_groups(groups: Tensor, bits: int) -> Tensor:
     words = (groups.to(torch.int64) << byte_shifts).sum(dim=1, keepdim=True)
     shifts = torch.arange(8, device=groups.device, dtype=torch.int64) * bits
     return (words >> shifts) & ((1 << bits) - 1)
+
+
+def pack_signs(negative: Tensor) -> Tensor:
+    """One bit per element of a bool tensor whose size is a multiple of 8, element ``8i + j`` in bit
+    ``j`` of byte ``i``: two operations (a shift and a sum), whatever the size. The bucket-wise sign
+    format (:mod:`~lightning_gradcomp.compressors.sign`); :func:`pack` lays bits out in lanes instead."""
+    rows = negative.view(torch.uint8).view(-1, 8)
+    return rows.bitwise_left_shift(_shifts(negative.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_signs` over the last dimension: ``(..., n)`` bytes -> ``(..., 8n)`` uint8
+    0/1, in two operations."""
+    bits = packed.unsqueeze(-1).bitwise_right_shift(_shifts(packed.device)).bitwise_and_(1)
+    return bits.view(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+_SHIFTS: dict[str, Tensor] = {}
+
+
+def _shifts(device: torch.device) -> Tensor:
+    key = str(device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _SHIFTS[key]
+
+
+def pack_grouped(codes: Tensor, bits: int) -> Tensor:
+    """Codes of ``bits <= 8`` bits (uint8, last dimension a multiple of 8) packed over the last
+    dimension in a few operations whatever its length: each group of ``g`` consecutive codes
+    (:func:`_group_layout`) fills ``w`` bytes, code ``j`` at bits ``j·bits ..`` of the group's
+    little-endian word. The bucket-wise quantisers' format; as many bytes as :func:`pack`
+    (``⌈n/8⌉·bits``), in another order."""
+    group, width = _group_layout(bits)
+    if group == 1:
+        return codes
+    layout = _grouped_constants(bits, codes.device)
+    if width == 1:  # 1, 2 or 4 bits: the group fills one byte, no wider word needed
+        return codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(layout[2]).sum(dim=-1, dtype=torch.uint8)
+    words = codes.view(*codes.shape[:-1], -1, group).to(torch.int64).bitwise_left_shift_(layout[0]).sum(dim=-1,
+                                                                                                       keepdim=True)
+    return words.bitwise_right_shift(layout[1]).to(torch.uint8).view(*codes.shape[:-1], -1)
+
+
+def unpack_grouped(packed: Tensor, bits: int, dtype: torch.dtype = torch.uint8) -> Tensor:
+    """Inverse of :func:`pack_grouped` over the last dimension: the codes, as ``dtype``."""
+    group, width = _group_layout(bits)
+    if group == 1:
+        return packed.to(dtype)
+    layout = _grouped_constants(bits, packed.device)
+    if width == 1:
+        codes = packed.unsqueeze(-1).bitwise_right_shift(layout[2]).bitwise_and_((1 << bits) - 1).to(dtype)
+        return codes.view(*packed.shape[:-1], -1)
+    words = packed.view(*packed.shape[:-1], -1, width).to(torch.int64).bitwise_left_shift_(layout[1]).sum(
+        dim=-1, keepdim=True)
+    codes = words.bitwise_right_shift(layout[0]).bitwise_and_((1 << bits) - 1).to(dtype)
+    return codes.view(*packed.shape[:-1], -1)
+
+
+_GROUPED: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _grouped_constants(bits: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``(code shifts, byte shifts)`` of a group as int64, and the code shifts as uint8."""
+    key = (bits, str(device))
+    if key not in _GROUPED:
+        group, width = _group_layout(bits)
+        shifts = torch.arange(group, dtype=torch.int64, device=device) * bits
+        _GROUPED[key] = (shifts, torch.arange(width, dtype=torch.int64, device=device) * 8, shifts.to(torch.uint8))
+    return _GROUPED[key]

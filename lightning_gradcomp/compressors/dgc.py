@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -17,9 +17,11 @@ from lightning_gradcomp.compressors.base import (
     sparse_count,
     squared_norm,
 )
-from lightning_gradcomp.compressors.selection import check_selection, topk_indices
-from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices
-from lightning_gradcomp.core.protocol import Outcome
+from lightning_gradcomp.compressors.selection import CONTIGUOUS_BLOCK, check_selection, segmented_topk, topk_indices
+from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices, sparse_segments_protocol
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.protocol import Outcome, SegmentsProtocol
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 MOMENTUM = "momentum"
 VELOCITY = "velocity"
@@ -179,6 +181,52 @@ class DGC(HasDensity, _ValuesAndIndices):
         ctx.commit(VELOCITY, velocity)
         ctx.commit(MOMENTUM, momentum)
         return payload
+
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """Rows of 64 on accelerators (see :meth:`TopK.segment_alignment`), below density 1/4 (above it
+        no row is pruned, and density 1's dense format is per tensor)."""
+        if not self._per_tensor_path_is(DGC) or self.selection == "exact" or host_reads_allowed(device) \
+                or self.density >= 0.25:
+            return None
+        return CONTIGUOUS_BLOCK
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """The same steps as :meth:`compress` on every tensor of the bucket at once: clipping by one
+        multi-tensor norm, the momentum and velocity updates on flat state, the segmented top-``k``
+        (:func:`~lightning_gradcomp.compressors.selection.segmented_topk`), masking by two fills."""
+        grad = flat
+        if self.clip_norm is not None:
+            limit = self.clip_norm * (contexts[0].world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
+            norms = torch.stack(torch._foreach_norm(segments.views(flat)))
+            factor = torch.clamp(limit / (norms + 1e-12), max=1.0)
+            grad = (flat.view(segments.rows, -1) * segments.expand(factor)).view(-1)
+        previous = state.get(MOMENTUM)
+        momentum = grad.clone() if previous is None else torch.add(grad, previous, alpha=self.momentum)
+        increment = torch.add(grad, momentum, alpha=self.momentum) if self.nesterov else momentum
+        previous_velocity = state.get(VELOCITY)
+        velocity = increment.clone() if previous_velocity is None else previous_velocity + increment
+        counts = [sparse_count(self.density, numel) for numel in segments.numels]
+        positions, _ = segmented_topk(velocity, segments, counts, report_finite=False)
+        values = velocity[positions]
+        velocity.index_fill_(0, positions, 0.0)  # momentum-factor masking
+        momentum.index_fill_(0, positions, 0.0)
+        state.commit(VELOCITY, velocity)
+        state.commit(MOMENTUM, momentum)
+        sent = values.to(contexts[0].wire_dtype(flat))
+        outcome = yield from sparse_segments_protocol(flat, positions, segments, counts, sent.dtype, values=sent)
+
+        def error() -> tuple[Tensor, Tensor]:  # (‖v_{t+1}‖², ‖v_t‖²) per tensor, as compression_error
+            kept = state.get(VELOCITY)
+            carried = torch.stack(torch._foreach_norm(segments.views(kept))).double().square()
+            lengths = segments.constant(("dgc-counts", tuple(counts)), sent.device,
+                                        lambda device: to_device(torch.tensor(counts), device))
+            sent_sq = torch.segment_reduce(sent.double().square(), "sum", lengths=lengths)
+            return carried, carried + sent_sq
+
+        outcome.error = error
+        return outcome
 
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖v_{t+1}‖², ‖v_t‖²)``: the velocity carried forward is DGC's compression error, and the

@@ -9,13 +9,45 @@ still overflows in the cast (prefer ``BF16``, with fp32's range, for such models
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.core.device import host_reads_allowed
+from lightning_gradcomp.core.protocol import Mean, Round, SegmentsOutcome, SegmentsProtocol
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 
-class NoCompression(Compressor):
+class _DenseSegments(Compressor):
+    """A whole bucket's tensors cast to the wire dtype and averaged by one all-reduce of the flat buffer
+    (segments without gaps): the same values as each tensor's own all-reducible payload."""
+
+    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
+        raise NotImplementedError
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """Whole buckets on accelerators (one cast, one all-reduce, one write: a few kernels); per tensor
+        on the CPU, where it costs nothing more."""
+        owner = next(cls for cls in type(self).__mro__ if "_wire" in cls.__dict__)
+        return None if host_reads_allowed(device) or not self._per_tensor_path_is(owner) else 1
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        sent = flat.to(self._wire(contexts[0], flat))
+        (mean,) = yield Round([Mean(sent)], last=True)
+
+        def write(out: Tensor) -> None:
+            out.copy_(mean)
+
+        def subtract(residual: Tensor) -> None:
+            residual.sub_(sent.to(residual.dtype))
+
+        return SegmentsOutcome(segments.numels, subtract, write)
+
+
+class NoCompression(_DenseSegments):
     """Sends the gradient as it is: the same all-reduce as plain DDP, through the same hook."""
 
     name = "none"
@@ -37,8 +69,11 @@ class NoCompression(Compressor):
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0], alpha=alpha)
 
+    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
+        return ctx.wire_dtype(flat)
 
-class _Cast(Compressor):
+
+class _Cast(_DenseSegments):
     """Round to a 16-bit float format; the all-reduce sums in that format."""
 
     biased = False
@@ -56,6 +91,9 @@ class _Cast(Compressor):
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         return Payload((tensor.to(self.wire_dtype),), tensor.numel(), tensor.numel())
+
+    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
+        return self.wire_dtype
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0].to(out.dtype), alpha=alpha)

@@ -16,8 +16,9 @@ from lightning_gradcomp.compressors.base import (
     check_bool,
     check_int,
 )
-from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
-from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round
+from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
+from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round, SegmentsOutcome, SegmentsProtocol
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 Q_STATE = "q"
 
@@ -131,6 +132,91 @@ class PowerSGD(Compressor):
 
         return Outcome((n + m) * r, subtract, write)
 
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """The flat buffer as it is, on accelerators; per tensor on the CPU."""
+        if host_reads_allowed(device) or not self._per_tensor_path_is(PowerSGD):
+            return None
+        return 1
+
+    def segments_fit(self, numels: Sequence[int], align: int) -> bool:
+        return True
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """The same power step for every matrix, one batched product per group of matrices of one shape
+        (:class:`_Batches`): ``P = M Q`` and ``Q = Mᵀ P̂`` by ``bmm``, Gram–Schmidt on the batch; the tensors
+        sent averaged in the first round."""
+        device = flat.device
+        compute = _compute_dtype(contexts[0].dtype or flat.dtype)
+        compressing = contexts[0].step >= self.start_step
+        batches: _Batches = segments.constant(("powersgd", self.rank, self.min_compression_rate, compressing),
+                                              device, lambda device: _Batches(self, segments, compressing, device))
+        wire = contexts[0].wire_dtype(flat)
+        averaged = flat.index_select(0, batches.averaged_positions).to(wire) if batches.averaged else None
+        if not batches.groups:
+            (mean,) = yield Round([Mean(averaged)], last=True)
+            return SegmentsOutcome(segments.numels, lambda residual: residual.zero_(),
+                                   lambda out: out.index_copy_(0, batches.averaged_positions, mean.to(out.dtype)))
+        matrices = {shape: flat.index_select(0, positions).view(-1, shape[0], shape[1]).to(compute)
+                    for shape, positions in batches.positions.items()}
+        q_flat = self._start_q_segments(state, batches, contexts, compute, device)
+        q_views, offset = {}, 0
+        for (n, m, r), members in batches.groups.items():
+            q_views[(n, m, r)] = q_flat[offset:offset + len(members) * m * r].view(len(members), m, r)
+            offset += len(members) * m * r
+        requests = [Mean(torch.bmm(matrices[shape], q_views[shape])) for shape in batches.groups]
+        results = yield Round(requests + ([Mean(averaged)] if averaged is not None else []))
+        p_hats = {shape: orthogonalize_batched(p_mean.clone()) for shape, p_mean in zip(batches.groups, results)}
+        averaged_mean = results[-1] if averaged is not None else None
+        q_means = yield Round([Mean(torch.bmm(matrices[shape].transpose(1, 2), p_hats[shape]))
+                               for shape in batches.groups], last=True)
+        q_means = dict(zip(batches.groups, q_means))
+        if self.warm_start:  # committed like the bucket on every worker; a void step keeps the last Q
+            state.commit(Q_STATE, torch.cat([q_means[shape].reshape(-1) for shape in batches.groups]),
+                         batches.q_layout, check_result=True)
+        products: dict = {}
+
+        def product(shape: tuple[int, int, int]) -> Tensor:
+            if shape not in products:
+                products[shape] = torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
+            return products[shape]
+
+        def subtract(residual: Tensor) -> None:
+            for shape, positions in batches.positions.items():
+                residual.index_add_(0, positions, product(shape).to(residual.dtype), alpha=-1.0)
+            if averaged is not None:
+                residual.index_fill_(0, batches.averaged_positions, 0.0)
+
+        def write(out: Tensor) -> None:
+            for shape, positions in batches.positions.items():
+                out.index_copy_(0, positions, product(shape).to(out.dtype))
+            if averaged_mean is not None:
+                out.index_copy_(0, batches.averaged_positions, averaged_mean.to(out.dtype))
+
+        counts = [segments.numels[index] for index in range(len(segments))]
+        for (n, m, r), members in batches.groups.items():
+            for index in members:
+                counts[index] = (n + m) * r
+        return SegmentsOutcome(counts, subtract, write)
+
+    def _start_q_segments(self, state: SegmentsState, batches: _Batches, contexts: Sequence[CompressContext],
+                          dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Every matrix's ``Q`` in the layout of ``batches.q_layout``: last step's where kept, else drawn
+        as :meth:`_start_q` draws it (per tensor: only on the first step, or every step without warm start)."""
+        present = state.present(Q_STATE, batches.q_layout) if self.warm_start else [False] * len(batches.q_order)
+        kept = state.get(Q_STATE, batches.q_layout) if any(present) else None
+        if all(present) and kept is not None:
+            return kept.to(dtype)
+        q_flat = (torch.zeros(batches.q_layout.total, dtype=dtype, device=device) if kept is None
+                  else kept.to(dtype, copy=True))
+        for view, index, found, shape in zip(batches.q_layout.views(q_flat), batches.q_order, present,
+                                             batches.q_layout.shapes):
+            if not found:
+                generator = contexts[index].generator(shared_draw_generator_device(), per_rank=False)
+                view.copy_(to_device(torch.randn(*shape, generator=generator, dtype=dtype), device).view(-1))
+        return q_flat
+
     def _start_q(self, ctx: CompressContext, m: int, r: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         previous = ctx.state.get(Q_STATE) if self.warm_start else None
         if previous is not None and previous.shape == (m, r):
@@ -138,6 +224,49 @@ class PowerSGD(Compressor):
         # the same Q on every worker: drawn on the CPU (a GPU generator's draws depend on the GPU model)
         generator = ctx.generator(shared_draw_generator_device(), per_rank=False)
         return to_device(torch.randn(m, r, generator=generator, dtype=dtype), device)
+
+class _Batches:
+    """The bucket's matrices grouped by ``(n, m, r)`` (one batched product per group), the tensors sent
+    averaged, and the layout of the warm-start ``Q`` (group after group, so a group's ``Q`` is a view)."""
+
+    def __init__(self, compressor: "PowerSGD", segments: Segments, compressing: bool, device: torch.device) -> None:
+        self.groups: dict[tuple[int, int, int], list[int]] = {}
+        self.averaged: list[int] = []
+        for index, shape in enumerate(segments.shapes):
+            matrix = compressor.matrix_shape(shape) if compressing else None
+            if matrix is None:
+                self.averaged.append(index)
+            else:
+                self.groups.setdefault(matrix, []).append(index)
+        order = [index for members in self.groups.values() for index in members]
+        self.q_layout = Segments(tuple(segments.names[index] for index in order),
+                                 tuple((shape[1], shape[2]) for shape, members in self.groups.items()
+                                       for _ in members), 1)
+        self.q_order = order
+
+        def positions(indices: list[int]) -> Tensor:
+            if not indices:
+                return torch.zeros(0, dtype=torch.int64, device=device)
+            return to_device(torch.cat([torch.arange(segments.starts[index],
+                                                     segments.starts[index] + segments.numels[index])
+                                        for index in indices]), device)
+
+        self.positions = {shape: positions(members) for shape, members in self.groups.items()}
+        self.averaged_positions = positions(self.averaged)
+
+
+def orthogonalize_batched(matrices: Tensor) -> Tensor:
+    """:func:`orthogonalize` of every matrix of a ``(G, n, r)`` batch at once (in place; returned)."""
+    tiny = torch.finfo(matrices.dtype).tiny
+    columns = matrices.shape[2]
+    for i in range(columns):
+        column = matrices[:, :, i:i + 1]
+        column.div_(torch.linalg.vector_norm(column, dim=1, keepdim=True).clamp_min(tiny))
+        if i + 1 < columns:
+            rest = matrices[:, :, i + 1:]
+            rest.sub_(column @ (column.transpose(1, 2) @ rest))
+    return matrices
+
 
 def orthogonalize(matrix: Tensor) -> Tensor:
     """Gram–Schmidt on the columns of ``matrix`` (in place; returned). A zero column stays zero."""

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, check_int
-from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.compressors.bitpack import pack, pack_grouped, packed_nbytes, unpack, unpack_grouped
 from lightning_gradcomp.compressors.scratch import scratch
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
+from lightning_gradcomp.core.segments import Segments, SegmentsState
+
+#: Largest ``bucket_size`` laid out as rows of the flat buffer; larger ones are one scale per tensor.
+ROW_BUCKETS = 8192
 
 
 class QSGD(Compressor):
@@ -123,6 +129,85 @@ class QSGD(Compressor):
         """The norm of each row (bucket) that scales its levels: ``||v||_2``."""
         return torch.linalg.vector_norm(rows, dim=1)
 
+    # ------------------------------------------------------------------ a whole bucket at once
+    def _owner(self) -> type:
+        return QSGD
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """On accelerators, rows of ``bucket_size`` (one norm each) up to :data:`ROW_BUCKETS` elements, else
+        rows of 64 with one scale per tensor; codes of at most 8 bits in fp32. Per tensor on the CPU, and
+        for row sizes that are not a multiple of 8 (a tensor's codes are padded to whole bytes)."""
+        if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()) or self.bits > 8 \
+                or self._work_dtype != torch.float32:
+            return None
+        if self.bucket_size > ROW_BUCKETS:
+            return 64
+        return self.bucket_size if self.bucket_size % 8 == 0 else None
+
+    def segments_fit(self, numels: Sequence[int], align: int) -> bool:
+        """One scale per tensor needs every tensor within one bucket of ``bucket_size``."""
+        return self.bucket_size <= ROW_BUCKETS or all(numel <= self.bucket_size for numel in numels)
+
+    def _segment_norms(self, work: Tensor, segments: Segments) -> Tensor:
+        """One norm per bucket of every tensor, in tensor order: the rows' (``bucket_size`` rows), or one
+        per tensor from rows of 64."""
+        rows = work.view(segments.rows, -1)
+        if self.bucket_size <= ROW_BUCKETS:
+            return self._bucket_norms(rows)
+        return self._tensor_norms(rows, segments)
+
+    def _tensor_norms(self, rows: Tensor, segments: Segments) -> Tensor:
+        """``||v||_2`` per tensor from its rows."""
+        squares = torch.linalg.vector_norm(rows, dim=1).square_()
+        return torch.segment_reduce(squares, "sum", lengths=segments.row_lengths(rows.device)).sqrt_()
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """The same quantisation as :meth:`compress` for every tensor at once: norms by rows, each tensor's
+        noise from its own generator (one draw per tensor, as per tensor), one stochastic rounding and one
+        packing (:func:`~lightning_gradcomp.compressors.bitpack.pack_grouped`) for the bucket."""
+        device, levels, bits = flat.device, self.levels, self.bits
+        work = flat.to(self._work_dtype)
+        row_count = segments.rows
+        norms = self._segment_norms(work, segments)
+        per_row = norms if self.bucket_size <= ROW_BUCKETS else segments.expand(norms).view(-1)
+        per_row = per_row.clamp_min(torch.finfo(norms.dtype).tiny)
+        noise = torch.full((segments.total,), levels + 0.5, dtype=work.dtype, device=device)
+        for ctx, view in zip(contexts, segments.views(noise)):
+            view.uniform_(levels, levels + 1, generator=ctx.generator(device, per_rank=True))
+        # c = s + u + s·v/‖v‖ (one fused division: may round differently from the per-tensor s/‖v‖ · v)
+        codes = noise.view(row_count, -1).addcdiv_(work.view(row_count, -1), per_row.unsqueeze(1), value=levels)
+        codes = codes.view(-1)
+        codes = codes.to(torch.uint8).clamp_(0, 2 * levels)
+        kept = _packed_positions(segments, device)
+        sent_codes = codes if kept is None else codes[kept]
+        packed = pack_grouped(sent_codes, bits)
+        norms = norms.float()
+        (rows,) = yield Round([Gather((norms, packed))], last=True)
+        workers = len(rows)
+
+        def decoded(all_codes: Tensor, all_norms: Tensor, alpha: float) -> Tensor:
+            """``(..., rows, align)`` values of codes and norms: ``norm · (alpha / s) · (code − s)``."""
+            if kept is not None:
+                spread = torch.zeros(*all_codes.shape[:-1], segments.total, dtype=all_codes.dtype, device=device)
+                all_codes = spread.index_copy_(-1, kept, all_codes)
+            values = all_codes.to(self._work_dtype).sub_(levels)  # no copy when already decoded to floats
+            values = values.view(*all_codes.shape[:-1], row_count, -1)
+            weight = all_norms.to(values.dtype) * (alpha / levels)
+            if self.bucket_size > ROW_BUCKETS:
+                weight = weight.index_select(-1, segments.row_segments(device))
+            return values.mul_(weight.unsqueeze(-1))
+
+        def write(out: Tensor) -> None:
+            received = unpack_grouped(stacked(rows, 1), bits, self._work_dtype)
+            values = decoded(received, stacked(rows, 0), 1.0 / workers)
+            torch.sum(values, dim=0, out=out.view(row_count, -1))
+
+        def subtract(residual: Tensor) -> None:
+            residual.view(row_count, -1).add_(decoded(sent_codes, norms, -1.0).to(residual.dtype))
+
+        return SegmentsOutcome(segments.numels, subtract, write)
+
     def _buckets(self, flat: Tensor) -> list[tuple[Tensor, slice]]:
         """``flat`` as rows of ``bucket_size`` (views), the last bucket possibly shorter, with the
         positions of their norms."""
@@ -153,7 +238,7 @@ def offset_uniform(numel: int, low: float, dtype: torch.dtype, generator: torch.
     the step's own standard deviation. On accelerators, ``uniform_`` (Philox, about one pass).
     """
     out = scratch("noise", numel, dtype, device)
-    if device.type != "cpu":
+    if not host_reads_allowed(device):  # the accelerator path (also on CPU tensors under accelerator_path)
         return out.uniform_(low, low + 1, generator=generator)
     lanes_per_word = 64 // NOISE_BITS
     words = scratch("noise.words", -(-numel // lanes_per_word), torch.int64, device)
@@ -161,3 +246,13 @@ def offset_uniform(numel: int, low: float, dtype: torch.dtype, generator: torch.
     out.copy_(words.view(torch.int16)[:numel])  # r, uniform on [-2^15, 2^15)
     offset = torch.tensor(low + 0.5 + 2.0 ** -(NOISE_BITS + 1), dtype=dtype)
     return torch.add(offset, out, alpha=2.0**-NOISE_BITS, out=out)
+
+
+def _packed_positions(segments: Segments, device: torch.device) -> Optional[Tensor]:
+    """The flat positions of the codes that cross the wire: each tensor's first ``⌈d/8⌉·8`` elements (as
+    per tensor), or ``None`` when that is every element (a constant of the layout)."""
+    padded = [-(-numel // 8) * 8 for numel in segments.numels]
+    if all(size == segments.rows_of(index) * segments.align for index, size in enumerate(padded)):
+        return None
+    return segments.constant("qsgd-codes", device, lambda device: to_device(torch.cat(
+        [torch.arange(start, start + size) for start, size in zip(segments.starts, padded)]), device))

@@ -37,9 +37,20 @@ from lightning_gradcomp.compressors.base import (
     check_bool,
     check_int,
 )
-from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.compressors.bitpack import pack, pack_grouped, packed_nbytes, unpack, unpack_grouped
 from lightning_gradcomp.compressors.selection import peak_magnitudes
-from lightning_gradcomp.core.protocol import AllToAll, Gather, Outcome, Protocol, Round
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.protocol import (
+    AllToAll,
+    Gather,
+    Outcome,
+    Protocol,
+    Round,
+    SegmentsOutcome,
+    SegmentsProtocol,
+    stacked,
+)
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 OWNER_RESIDUAL = "owner_residual"
 
@@ -128,6 +139,94 @@ class _QuantisedAllReduce(Compressor):
         return Outcome(numel, subtract, write)
 
 
+    # ------------------------------------------------------------------ a whole bucket at once
+    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`_encode` of ``(..., blocks, block_size)`` blocks: ``(codes (..., bytes), scales (..., blocks))``
+        with the codes of every leading index packed on their own (the bucket-wise format)."""
+        codes, scales = self._encode(blocks.reshape(-1, self.block_size))
+        return codes.view(*blocks.shape[:-2], -1), scales.view(*blocks.shape[:-1])
+
+    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """Inverse of :meth:`_encode_rows`: ``(..., blocks, block_size)`` fp32 (``codes`` may be a strided
+        view whose last dimension is contiguous)."""
+        values = codes.view(self._code_dtype).view(*scales.shape, self.block_size).to(torch.float32)
+        return values.mul_(scales.unsqueeze(-1))
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """The flat buffer as it is (alignment 1) on accelerators, for the built-in codecs (a subclass may
+        change the codec: it stays per tensor); per tensor on the CPU."""
+        if host_reads_allowed(device) or type(self) not in (Int8AllReduce, Int4AllReduce, FP8AllReduce):
+            return None
+        return 1
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Every tensor's chunks at once: one ``(N, C)`` buffer whose row ``c`` holds chunk ``c`` of every
+        tensor (each zero-padded to whole blocks, as per tensor; one gather by a constant index), quantised
+        in one pass, one all-to-all; the owner's average, residual and re-quantisation on its ``C``
+        elements; one gather; the chunks put back in place by one index."""
+        workers, device = contexts[0].world_size, flat.device
+        plan = _chunk_plan(segments, workers, self.block_size, device)
+        own = flat.index_select(0, plan.gather).mul_(plan.keep).view(workers, -1, self.block_size)
+        codes, scales = self._encode_rows(own)
+        (versions,) = yield Round([AllToAll([(codes[c], scales[c]) for c in range(workers)])])
+
+        received = self._decode_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
+        mean = received.sum(dim=0).div_(workers)
+        previous = state.get(OWNER_RESIDUAL, plan.owner_layout) if self.owner_error_feedback else None
+        if previous is not None:
+            mean.add_(previous.view(mean.shape))
+        owner_codes, owner_scales = self._encode_rows(mean)
+        owner_residual = mean.sub_(self._decode_rows(owner_codes, owner_scales)) if self.owner_error_feedback else None
+        (gathered,) = yield Round([Gather((owner_codes, owner_scales))], last=True)
+        if owner_residual is not None:
+            state.commit(OWNER_RESIDUAL, owner_residual.view(-1), plan.owner_layout, check_result=True)
+
+        def write(out: Tensor) -> None:
+            chunks = self._decode_rows(stacked(gathered, 0), stacked(gathered, 1))
+            torch.index_select(chunks.view(-1), 0, plan.scatter, out=out)
+
+        def subtract(residual: Tensor) -> None:
+            sent = self._decode_rows(codes, scales).view(-1).index_select(0, plan.scatter)
+            residual.sub_(sent.to(residual.dtype))
+
+        return SegmentsOutcome(segments.numels, subtract, write)
+
+
+class _ChunkPlan:
+    """Constants of the bucket-wise quantised all-reduce for one layout and number of workers."""
+
+    def __init__(self, segments: Segments, workers: int, block: int, device: torch.device) -> None:
+        padded_sizes, chunks = [], []
+        for numel in segments.numels:
+            chunk = -(-numel // workers)
+            chunks.append(chunk)
+            padded_sizes.append(-(-chunk // block) * block)
+        width = sum(padded_sizes)
+        zero = segments.total  # marks padding
+        gather = torch.full((workers, width), zero, dtype=torch.int64)
+        scatter = torch.zeros(segments.total, dtype=torch.int64)
+        column = 0
+        for start, numel, chunk, padded in zip(segments.starts, segments.numels, chunks, padded_sizes):
+            for c in range(workers):
+                begin, end = c * chunk, min(numel, (c + 1) * chunk)
+                if end > begin:
+                    gather[c, column:column + end - begin] = torch.arange(start + begin, start + end)
+                    first = c * width + column
+                    scatter[start + begin:start + end] = torch.arange(first, first + end - begin)
+            column += padded
+        self.keep = to_device((gather.view(-1) != zero).float(), device)  # 0 where chunks are padded
+        self.gather = to_device(gather.view(-1).clamp_(max=max(zero - 1, 0)), device)  # own chunks from the flat buffer
+        self.scatter = to_device(scatter, device)  # the flat buffer from the (N, C) chunks (gaps: anything)
+        #: each tensor's owner residual, as per tensor: (padded chunk / block, block)
+        self.owner_layout = Segments(segments.names, tuple((padded // block, block) for padded in padded_sizes), block)
+
+
+def _chunk_plan(segments: Segments, workers: int, block: int, device: torch.device) -> _ChunkPlan:
+    return segments.constant(("chunks", workers, block), device,  # type: ignore[return-value]
+                             lambda device: _ChunkPlan(segments, workers, block, device))
+
+
 class Int8AllReduce(_QuantisedAllReduce):
     r"""Quantised all-reduce with int8 codes: per block of ``block_size`` elements,
     :math:`q_i = \operatorname{round}(127\,x_i / \max_j |x_j|)` and one fp32 scale (8 bits plus
@@ -136,6 +235,7 @@ class Int8AllReduce(_QuantisedAllReduce):
     """
 
     name = "int8"
+    _code_dtype = torch.int8
 
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         scales = self._scales(blocks)
@@ -163,6 +263,15 @@ class Int4AllReduce(_QuantisedAllReduce):
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
         return pack(codes.reshape(-1), 4), scales
 
+    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        scales = self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
+        codes = torch.round(blocks / scales.unsqueeze(-1)).clamp_(-7, 7).add_(8).to(torch.uint8)
+        return pack_grouped(codes.view(*blocks.shape[:-2], -1), 4), scales
+
+    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        values = unpack_grouped(codes, 4, torch.float32).sub_(8)
+        return values.view(*scales.shape, self.block_size).mul_(scales.unsqueeze(-1))
+
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         numel = scales.numel() * self.block_size
         values = unpack(codes, 4, numel, dtype=torch.float32).sub_(8)
@@ -187,7 +296,7 @@ class FP8AllReduce(_QuantisedAllReduce):
             raise ValueError(f"`format` must be 'e4m3' or 'e5m2', got {format!r}")
         super().__init__(block_size, owner_error_feedback)
         self.format = format
-        self._dtype = torch.float8_e4m3fn if format == "e4m3" else torch.float8_e5m2
+        self._dtype = self._code_dtype = torch.float8_e4m3fn if format == "e4m3" else torch.float8_e5m2
         self.code_max = float(torch.finfo(self._dtype).max)
 
     def hparams(self) -> dict[str, Any]:

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Finite, all_finite
-from lightning_gradcomp.core.device import host_reads_allowed
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.segments import Segments
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,11 @@ def block_layout(k: int, numel: int) -> tuple[int, bool]:
 
 
 def peak_magnitudes(grid: Tensor, dim: int) -> Tensor:
-    """``max |x|`` along ``dim``: a max and a min (vectorised reductions), no ``|x|`` materialised."""
-    return torch.maximum(grid.amax(dim=dim), grid.amin(dim=dim).neg_())
+    """``max |x|`` along ``dim`` (NaN where a NaN is): on the CPU a max and a min (vectorised reductions,
+    no ``|x|`` materialised); elsewhere one reduction kernel, the max-norm."""
+    if host_reads_allowed(grid.device):
+        return torch.maximum(grid.amax(dim=dim), grid.amin(dim=dim).neg_())
+    return torch.linalg.vector_norm(grid, math.inf, dim=dim)
 
 
 def _with_tail(values: Tensor, full: int, candidates: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -264,3 +268,96 @@ def sampled_topk(
     if count > k:
         candidates = candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
     return Selection(candidates, count)
+
+
+def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_finite: bool = True
+                   ) -> tuple[Tensor, Optional[Tensor]]:
+    """The top-``k_t`` of every tensor of a bucket laid out in one flat buffer (segments aligned to
+    :data:`CONTIGUOUS_BLOCK`), in a fixed number of operations plus two ``topk`` per tensor.
+
+    The block method of :func:`block_topk` on rows of 64 elements of the whole buffer: one pass of row
+    peaks for the bucket; per tensor, the ``k_t`` rows with the largest peaks (all its rows where that
+    would not prune: ``64·k_t > d_t/4``); one gather of the kept rows; per tensor, the ``k_t`` largest
+    magnitudes among its candidates. Every step is exact, so each tensor's set is its top-``k_t`` (up to
+    ties), the set :func:`block_topk` chooses. No host synchronisation.
+
+    Returns ``(positions, finite)``: the chosen positions in ``flat`` (int64, tensor after tensor,
+    ``k_t`` each) and one bool per tensor, whether it was finite (read from the row peaks; ``None``
+    unless ``report_finite``).
+    """
+    block = CONTIGUOUS_BLOCK
+    device = flat.device
+    grid = flat.view(-1, block)
+    peaks = peak_magnitudes(grid, 1)
+    # a peak is NaN or infinite exactly when an element of its row is; NaN < inf is false too
+    finite = (torch.segment_reduce(peaks, "max", lengths=segments.row_lengths(device)).lt(math.inf)
+              if report_finite else None)
+    plan = _segmented_plan(segments, tuple(ks), device)
+    kept = plan.template.clone() if plan.pruned else plan.template
+    chosen = torch.empty(sum(ks), dtype=torch.int64, device=device)
+    values = torch.empty(max(sum(ks), kept.numel()), dtype=flat.dtype, device=device)  # topk's values: unused
+    if plan.pruned:
+        peak_values = values
+        for index in plan.pruned:
+            row, start, k = segments.starts[index] // block, plan.kept_starts[index], ks[index]
+            torch.topk(peaks[row:row + segments.rows_of(index)], k, sorted=False,
+                       out=(peak_values[start:start + k], kept[start:start + k]))
+    rows = kept + plan.row_offsets
+    magnitude = grid.index_select(0, rows).abs_()
+    # every candidate's position in flat: its row's first element plus its column
+    candidates = torch.addcmul(plan.columns, rows.view(-1, 1), plan.block)
+    if segments.padded:  # a gap's zeros must not be chosen: below every real magnitude
+        magnitude = torch.where(candidates < plan.ends, magnitude, -1.0)
+    magnitude = magnitude.view(-1)
+    chosen_values = values
+    for index, (k, start, count, out) in enumerate(zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts)):
+        torch.topk(magnitude[start * block:(start + count) * block], k, sorted=False,
+                   out=(chosen_values[out:out + k], chosen[out:out + k]))
+    chosen += plan.candidate_offsets
+    return candidates.view(-1)[chosen], finite
+
+
+@dataclass
+class _SegmentedPlan:
+    """The constants of :func:`segmented_topk` for one layout and set of ``k``."""
+
+    pruned: list[int]  # tensors whose rows are chosen by their peaks
+    kept_starts: list[int]  # where each tensor's kept rows begin among all kept rows
+    kept_counts: list[int]
+    chosen_starts: list[int]
+    template: Tensor  # kept rows, local to their tensor (all rows of the tensors not pruned)
+    row_offsets: Tensor  # per kept row: the first row of its tensor
+    candidate_offsets: Tensor  # per chosen element: where its tensor's candidates begin
+    columns: Tensor  # 0 .. block-1
+    block: Tensor  # the block size, as a one-element int64 tensor
+    ends: Tensor  # per kept row: where its tensor ends in the flat buffer
+
+
+def _segmented_plan(segments: Segments, ks: tuple[int, ...], device: torch.device) -> _SegmentedPlan:
+    def build(device: torch.device) -> _SegmentedPlan:
+        block = CONTIGUOUS_BLOCK
+        pruned, kept_starts, kept_counts, chosen_starts = [], [], [], []
+        template, row_offsets, candidate_offsets, numels = [], [], [], []
+        kept_total = chosen_total = 0
+        for index, (numel, k) in enumerate(zip(segments.numels, ks)):
+            rows = segments.rows_of(index)
+            prune = k * block <= numel // 4
+            count = k if prune else rows
+            if prune:
+                pruned.append(index)
+            kept_starts.append(kept_total)
+            kept_counts.append(count)
+            chosen_starts.append(chosen_total)
+            template.append(torch.zeros(count, dtype=torch.int64) if prune else torch.arange(rows))
+            row_offsets.append(torch.full((count,), segments.starts[index] // block, dtype=torch.int64))
+            numels.append(torch.full((count,), segments.starts[index] + numel, dtype=torch.int64))
+            candidate_offsets.append(torch.full((k,), kept_total * block, dtype=torch.int64))
+            kept_total += count
+            chosen_total += k
+        plan = _SegmentedPlan(pruned, kept_starts, kept_counts, chosen_starts,
+                              to_device(torch.cat(template), device), to_device(torch.cat(row_offsets), device),
+                              to_device(torch.cat(candidate_offsets), device), torch.arange(block, device=device),
+                              torch.full((1,), block, dtype=torch.int64, device=device),
+                              to_device(torch.cat(numels).view(-1, 1), device))
+        return plan  # type: ignore[return-value]
+    return segments.constant(("topk-plan", ks), device, build)  # type: ignore[arg-type]

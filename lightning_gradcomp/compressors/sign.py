@@ -8,15 +8,25 @@ summed by an all-reduce.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
-from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
-from lightning_gradcomp.core.protocol import Gather, Outcome, Protocol, Round
+from lightning_gradcomp.compressors.bitpack import pack, pack_signs, packed_nbytes, unpack, unpack_signs
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.protocol import (
+    Gather,
+    Outcome,
+    Protocol,
+    Round,
+    SegmentsOutcome,
+    SegmentsProtocol,
+    stacked,
+)
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 #: Signum's momentum in the compressor's per-parameter state.
 MOMENTUM = "momentum"
@@ -41,6 +51,60 @@ class _ScaledSigns(Compressor):
         """``||p||_1 / d`` as a 0-d fp32 tensor (no host sync)."""
         return torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel()
 
+    # ------------------------------------------------------------------ a whole bucket at once
+    #: Rows of the flat buffer: whole bytes of sign bits for every tensor (``d_t/8`` rounded up, as per tensor).
+    SIGN_ROW = 8
+
+    def _owner(self) -> type:
+        """The class whose per-tensor methods the bucket-wise path reproduces."""
+        raise NotImplementedError
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """Rows of 8 elements (one byte of signs) on accelerators; per tensor on the CPU."""
+        if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()):
+            return None
+        return self.SIGN_ROW
+
+    def _voted_segments(self, flat: Tensor, state: SegmentsState) -> Tensor:
+        """What the bucket's tensors send the signs of (Signum's momentum overrides)."""
+        return flat
+
+    def _scales_segments(self, voted: Tensor, segments: Segments) -> Tensor:
+        """One fp32 scale per tensor: ``‖p_t‖₁ / d_t`` (one multi-tensor norm)."""
+        norms = torch.stack(torch._foreach_norm(segments.views(voted), 1))
+        return norms.float().div_(segments.constant("numels", voted.device, lambda device: to_device(torch.tensor(
+            segments.numels, dtype=torch.float32), device)))
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Every tensor's sign bits in one bit stream (bit ``j`` of byte ``i`` is element ``8i + j`` of the
+        flat buffer: each tensor's ``⌈d_t/8⌉`` bytes, as per tensor) and one scale each, in one gather."""
+        voted = self._voted_segments(flat, state)
+        scales = self._scales_segments(voted, segments)
+        negative = torch.lt(voted, 0)
+        bits = pack_signs(negative)
+        (rows,) = yield Round([Gather((bits, scales))], last=True)
+        workers = len(rows)
+        row_count = segments.rows
+
+        def subtract(residual: Tensor) -> None:  # accumulate(payload, residual, alpha=-1), per row of 8
+            scale_rows = segments.expand(scales).to(residual.dtype)
+            residual.view(row_count, -1).sub_(scale_rows).addcmul_(
+                negative.view(row_count, -1).to(residual.dtype), scale_rows, value=2.0)
+
+        def write(out: Tensor) -> None:
+            signs = unpack_signs(stacked(rows, 0))  # (N, total) 0/1
+            received = stacked(rows, 1)  # (N, P)
+            self._decode_segments(out.view(row_count, -1), signs.view(workers, row_count, -1), received, segments)
+
+        return SegmentsOutcome(segments.numels, subtract, write)
+
+    def _decode_segments(self, out: Tensor, signs: Tensor, scales: Tensor, segments: Segments) -> None:
+        """``out = (1/N) Σ_w scale_w · (1 − 2·bit_w)`` on ``(rows, 8)``."""
+        per_row = scales.index_select(1, segments.row_segments(scales.device)).unsqueeze(-1)  # (N, rows, 1)
+        contribution = signs.to(out.dtype).mul_(-2.0).add_(1.0).mul_(per_row)
+        torch.mean(contribution, dim=0, out=out)
+
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         """``out += alpha · scale · (1 − 2·bit)``: two passes, no dense ±1 tensor."""
         bits, scale = payload.parts
@@ -60,6 +124,9 @@ class EFSignSGD(_ScaledSigns):
     """
 
     name = "efsignsgd"
+
+    def _owner(self) -> type:
+        return EFSignSGD
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         return self._signs(tensor, self._mean_magnitude(tensor))
@@ -124,6 +191,30 @@ class SignSGD(_ScaledSigns):
                     f"{type(optimizer).__name__} applies momentum too (param group {index}); use plain SGD "
                     "(momentum 0), or SignSGD(momentum=0)"
                 )
+
+    def _owner(self) -> type:
+        return SignSGD
+
+    def _voted_segments(self, flat: Tensor, state: SegmentsState) -> Tensor:
+        """:meth:`_voted` on the flat buffer: Signum's momentum as flat state."""
+        if not self.momentum:
+            return flat
+        previous = state.get(MOMENTUM)
+        momentum = flat * (1.0 - self.momentum) if previous is None else torch.add(
+            previous * self.momentum, flat, alpha=1.0 - self.momentum)
+        state.commit(MOMENTUM, momentum)
+        return momentum
+
+    def _scales_segments(self, voted: Tensor, segments: Segments) -> Tensor:
+        if self.scale == "none":
+            return segments.constant("ones", voted.device, lambda device: torch.ones(len(segments), device=device))
+        return super()._scales_segments(voted, segments)
+
+    def _decode_segments(self, out: Tensor, signs: Tensor, scales: Tensor, segments: Segments) -> None:
+        """The scaled majority vote: ``sign(N − 2 Σ_w bit_w) · mean_w scale_w`` on ``(rows, 8)``."""
+        workers = signs.shape[0]
+        votes = signs.sum(dim=0, dtype=out.dtype).mul_(-2.0).add_(workers).sign_()
+        torch.mul(votes, segments.expand(scales.mean(dim=0)), out=out)
 
     def _voted(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """What a worker votes with: the gradient, or Signum's ``m = β m + (1 − β) g`` (stored unless the

@@ -7,7 +7,7 @@ tensor of 2**31 elements or more is refused by the hook), so an fp32 gradient at
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -20,8 +20,16 @@ from lightning_gradcomp.compressors.base import (
     check_density,
     sparse_count,
 )
-from lightning_gradcomp.compressors.selection import check_selection, select_threshold, select_topk
-from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
+from lightning_gradcomp.compressors.selection import (
+    CONTIGUOUS_BLOCK,
+    check_selection,
+    segmented_topk,
+    select_threshold,
+    select_topk,
+)
+from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
+from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 
 class _ValuesAndIndices(Compressor):
@@ -42,6 +50,36 @@ class _ValuesAndIndices(Compressor):
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         values, indices = payload.parts
         out.index_add_(0, indices, values.to(out.dtype), alpha=alpha)
+
+
+def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments, counts: Sequence[int],
+                             wire_dtype: torch.dtype, values: Optional[Tensor] = None) -> SegmentsProtocol:
+    """The exchange of a whole bucket's sparse payloads (see
+    :meth:`~lightning_gradcomp.compressors.base.Compressor.exchange_segments`): the values at
+    ``positions`` of ``flat`` (or ``values``) in ``wire_dtype`` and their indices within their tensors
+    as int32, ``counts[t]`` for tensor ``t``, in one gather; every worker's scatter-added with weight
+    ``1/N`` in one ``index_add_``. The same values, indices and sums as each tensor's
+    :class:`_ValuesAndIndices` payload, tensor after tensor."""
+    starts = _slot_starts(segments, tuple(counts), flat.device)
+    sent = (flat[positions] if values is None else values).to(wire_dtype)
+    local = (positions - starts).to(torch.int32)
+    (rows,) = yield Round([Gather((sent, local))], last=True)
+
+    def write(out: Tensor) -> None:  # out is zero
+        indices = stacked(rows, 1) + starts
+        received = stacked(rows, 0).to(out.dtype)
+        out.index_add_(0, indices.view(-1), received.reshape(-1), alpha=1.0 / len(rows))
+
+    def subtract(residual: Tensor) -> None:
+        residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
+
+    return SegmentsOutcome(counts, subtract, write)
+
+
+def _slot_starts(segments: Segments, counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """Per sent coordinate, the start of its tensor in the flat buffer (a constant of the layout)."""
+    return segments.constant(("slot-starts", counts), device, lambda device: to_device(torch.repeat_interleave(
+        torch.tensor(segments.starts, dtype=torch.int64), torch.tensor(counts)), device))
 
 
 class HasDensity:
@@ -93,6 +131,26 @@ class TopK(HasDensity, _ValuesAndIndices):
         chosen = select_topk(tensor, k, self.selection, generator)
         ctx.finite = chosen.finite
         return self._payload(tensor, chosen.indices, ctx)
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """Rows of 64 for the block selection (:func:`~lightning_gradcomp.compressors.selection.segmented_topk`)
+        on accelerators, where kernel launches are the cost. On the CPU the per-tensor selection stays: it
+        prunes candidates by reading a count (free there) and picks strided blocks at higher densities,
+        3-5x fewer passes over memory than the whole-bucket selection. ``"exact"`` stays per tensor."""
+        if not self._per_tensor_path_is(TopK) or self.selection == "exact" or host_reads_allowed(device):
+            return None
+        return CONTIGUOUS_BLOCK
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Every tensor's top-``k`` at once (:func:`~lightning_gradcomp.compressors.selection.segmented_topk`),
+        one gather of values and indices."""
+        counts = [sparse_count(self.density, numel) for numel in segments.numels]
+        positions, finite = segmented_topk(flat, segments, counts)
+        flags = finite.tolist() if host_reads_allowed(flat.device) else finite.unbind()
+        for ctx, flag in zip(contexts, flags):
+            ctx.finite = flag
+        return (yield from sparse_segments_protocol(flat, positions, segments, counts, contexts[0].wire_dtype(flat)))
 
 
 class RandomK(HasDensity, _ValuesAndIndices):

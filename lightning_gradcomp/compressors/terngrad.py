@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import CompressContext, Payload, check_int
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.selection import peak_magnitudes
+from lightning_gradcomp.core.segments import Segments
 
 #: A block size no tensor reaches: one scale per tensor.
 _WHOLE_TENSOR = 2**62
@@ -69,6 +70,18 @@ class TernGrad(QSGD):
     def _bucket_norms(rows: Tensor) -> Tensor:
         """``s = ||v||_inf`` per row (a max and a min, vectorised)."""
         return peak_magnitudes(rows, 1)
+
+    def _owner(self) -> type:
+        return TernGrad
+
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """As QSGD's, except with the layer-wise clipping (a standard deviation per tensor: per tensor)."""
+        return None if self.clip_sigma is not None else super().segment_alignment(device)
+
+    def _tensor_norms(self, rows: Tensor, segments: Segments) -> Tensor:
+        """``s = ||v||_inf`` per tensor: its rows' peaks, then the largest per tensor."""
+        return torch.segment_reduce(torch.linalg.vector_norm(rows, math.inf, dim=1), "max",
+                                    lengths=segments.row_lengths(rows.device))
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         if self.clip_sigma is not None and tensor.numel() > 1:

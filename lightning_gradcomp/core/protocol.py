@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, NamedTuple, Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 
@@ -84,6 +85,22 @@ class Received(NamedTuple):
 Request = Union[Mean, Gather, AllToAll]
 
 
+def stacked(rows: Sequence[Received], index: int) -> Tensor:
+    """Part ``index`` of every worker's :class:`Received`, as one ``(N, numel)`` tensor: a strided view
+    without a copy when the parts lie at a constant distance in one buffer (the rows of a gathered
+    buffer), else a stack. Read-only, like every result."""
+    parts = [row.parts[index] for row in rows]
+    first = parts[0]
+    if len(parts) > 1 and first.numel() and all(
+            part.dtype == first.dtype and part.shape == first.shape and part.is_contiguous()
+            and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for part in parts):
+        step = parts[1].storage_offset() - first.storage_offset()
+        if step >= first.numel() and all(part.storage_offset() - first.storage_offset() == worker * step
+                                          for worker, part in enumerate(parts)):
+            return first.as_strided((len(parts), first.numel()), (step, 1), first.storage_offset())
+    return torch.stack([part.reshape(-1) for part in parts])
+
+
 @dataclass
 class Round:
     """The requests of one round of a protocol; ``last`` marks the protocol's final round."""
@@ -110,5 +127,29 @@ class Outcome:
     payload: Any = None
 
 
+@dataclass
+class SegmentsOutcome:
+    """What one worker's exchange of a whole bucket did (a compressor's
+    :meth:`~lightning_gradcomp.compressors.base.Compressor.exchange_segments`): :class:`Outcome`'s
+    fields for every tensor at once, on flat buffers laid out by
+    :class:`~lightning_gradcomp.core.segments.Segments`.
+
+    Attributes:
+        counts: coordinates sent per tensor.
+        subtract: ``flat -= what was sent``, in place on the flat input (gaps may be left as they are).
+        write: ``flat = the aggregated result``, in place on a zero-filled flat buffer of the layout (gaps:
+            any value).
+        error: optional ``(‖p − C(p)‖², ‖p‖²)`` per tensor (1-D tensors), for telemetry of compressors
+            without the generic error feedback; ``None``: measured from ``subtract``.
+    """
+
+    counts: Sequence[int]
+    subtract: Callable[[Tensor], None]
+    write: Callable[[Tensor], None]
+    error: Optional[Callable[[], tuple[Tensor, Tensor]]] = None
+
+
 #: What :meth:`Compressor.exchange` returns: yields rounds, receives their results, returns the outcome.
 Protocol = Generator[Round, list, Outcome]
+#: What :meth:`Compressor.exchange_segments` returns.
+SegmentsProtocol = Generator[Round, list, SegmentsOutcome]

@@ -1,14 +1,18 @@
 """The exchange of one bucket, written once: routing, rounds, merging into collectives, decoding.
 
-``bucket -> per-parameter protocols (error feedback, compressor) -> rounds of collectives -> aggregate``
+``bucket -> protocols (error feedback, compressor) -> rounds of collectives -> aggregate``
 
 :meth:`ExchangeEngine.bucket` is a generator that a driver runs: it yields a :class:`CollectiveRound`
 (the collectives to issue, and whether it is the bucket's final round) and receives their results.
 
-* Parameters below ``min_compress_numel`` elements (biases, norms) are averaged uncompressed; the
-  others go through the worker's :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline` (error feedback
-  around the compressor's protocol).
-* Every tensor's protocol is advanced in lock-step; the requests of one round are merged: all
+* Parameters below ``min_compress_numel`` elements (biases, norms) are averaged uncompressed, by one
+  protocol for all of them; the others go through the worker's
+  :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline` (error feedback around the compressor's
+  protocol): by one protocol for the whole bucket where the compressor compresses whole buckets on
+  this device (:meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment`, a flat buffer
+  laid out by :class:`~lightning_gradcomp.core.segments.Segments`: a fixed number of kernels per
+  bucket on a GPU), else by one protocol per tensor.
+* The protocols are advanced in lock-step; the requests of one round are merged: all
   :class:`~lightning_gradcomp.core.protocol.Mean` requests of one dtype into one flat tensor
   (divided by ``N``, then summed by one ``all_reduce``), all
   :class:`~lightning_gradcomp.core.protocol.Gather` requests into one uint8 buffer (one
@@ -19,8 +23,8 @@
   equal rows, row ``c`` holding every tensor's parts for worker ``c``.
 * Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
   order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
-* Non-finite gradients: one reduction per gradient (or found by the compressor while it compresses, from
-  Top-k's block peaks); a one-element flag (0, or NaN when this worker's
+* Non-finite gradients: one reduction per gradient on the CPU, one multi-tensor reduction per bucket
+  elsewhere (or found by the compressor while it compresses, from Top-k's block peaks); a one-element flag (0, or NaN when this worker's
   gradients of the bucket were not all finite) rides in the bucket's final round. When the summed flag
   is NaN, every worker's result for the bucket is NaN (as DDP's all-reduce would carry it) and no
   worker updates its memory for the bucket (see :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline`).
@@ -43,7 +47,8 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import CompressContext
 from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round
-from lightning_gradcomp.core.tensors import all_finite, Finite
+from lightning_gradcomp.core.segments import Segments
+from lightning_gradcomp.core.tensors import all_finite_many, Finite
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.pipeline import WorkerPipeline
 from lightning_gradcomp.metrics.telemetry import Stopwatch
@@ -101,12 +106,20 @@ class ExchangeEngine:
         pipeline: the worker's compressor, error feedback and memory.
         min_compress_numel: smaller tensors are averaged uncompressed.
         seed: base seed of the compressors' generators, identical on all workers.
+        segmented: let compressors that can compress a whole bucket at once do so (the default; ``False``
+            runs one protocol per tensor everywhere, the reference the bucket-wise paths are tested against).
     """
 
-    def __init__(self, pipeline: WorkerPipeline, min_compress_numel: int = 1024, seed: int = 0) -> None:
+    def __init__(self, pipeline: WorkerPipeline, min_compress_numel: int = 1024, seed: int = 0,
+                 segmented: bool = True) -> None:
         self.pipeline = pipeline
         self.min_compress_numel = min_compress_numel
         self.seed = seed
+        self.segmented = segmented
+        #: time compression and decoding with :attr:`compress_clock` / :attr:`decompress_clock` even
+        #: without telemetry (``gradcomp estimate``)
+        self.timed = False
+        self._layouts: dict[tuple, Segments] = {}
         self.compress_clock = Stopwatch()
         self.decompress_clock = Stopwatch()
 
@@ -123,13 +136,15 @@ class ExchangeEngine:
         """
         entries = sorted(entries, key=lambda entry: entry.name)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed,
-                                          self._finiteness(entry), entry.grad.dtype) for entry in entries]
-        protocols = [self._protocol(entry, ctx) for entry, ctx in zip(entries, contexts)]
-        sent = [0] * len(entries)
+        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed, None,
+                                          entry.grad.dtype) for entry in entries]
+        units = self._units(entries, contexts, device)
+        protocols = [protocol for protocol, _ in units]
+        names = [entries[members[0]].name for _, members in units]
+        sent = [0] * len(protocols)
         with self._clock(self.compress_clock, device):
             pending = _advance(protocols, {index: None for index in range(len(protocols))}, sent)
-        verdict = BucketVerdict(self._found_finite(contexts), device)
+        verdict = self._verdict(contexts, device)
         parked: dict[int, tuple[Round, list]] = {}
         while pending:
             final = all(turn.last for turn in pending.values())
@@ -150,7 +165,7 @@ class ExchangeEngine:
                 pending = _advance(protocols, per_tensor, sent, previous=pending)
             if final:
                 if pending:
-                    raise RuntimeError(f"gradcomp: the protocol of {entries[next(iter(pending))].name!r} went on "
+                    raise RuntimeError(f"gradcomp: the protocol of {names[next(iter(pending))]!r} went on "
                                        "after a round it marked last")
                 verdict.poison([entry.out for entry in entries if entry.out is not None], merged.summed_flag)
         return BucketReport(
@@ -162,31 +177,64 @@ class ExchangeEngine:
     def _compressed(self, entry: Entry) -> bool:
         return entry.grad.numel() >= self.min_compress_numel
 
-    def _finiteness(self, entry: Entry) -> Optional[Finite]:
-        """This worker's check of a gradient (one reduction), or ``None`` where the compressor finds it
-        while compressing (:attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`)."""
-        if self._compressed(entry) and self.pipeline.compressor.checks_finite:
-            return None
-        return all_finite(entry.grad)
+    def _units(self, entries: Sequence[Entry], contexts: Sequence[CompressContext], device: torch.device
+               ) -> list[tuple[Generator[Round, list, int], list[int]]]:
+        """The bucket's protocols and the entries each covers: one for the tensors sent dense, then one
+        for all compressed tensors where the compressor compresses whole buckets
+        (:meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment`), else one per
+        compressed tensor. Sets the finiteness of every tensor the compressor does not check itself
+        (one multi-tensor reduction)."""
+        compressor = self.pipeline.compressor
+        dense = [index for index, entry in enumerate(entries) if not self._compressed(entry)]
+        compressed = [index for index, entry in enumerate(entries) if self._compressed(entry)]
+        align = compressor.segment_alignment(device) if self.segmented and compressed else None
+        if align is not None and not compressor.segments_fit([entries[index].grad.numel() for index in compressed],
+                                                             align):
+            align = None  # e.g. a tensor smaller than a row: the per-tensor formats decide (DGC's dense payload)
+        checked = dense if align is not None or compressor.checks_finite else dense + compressed
+        for index, finite in zip(checked, all_finite_many([entries[index].grad for index in checked])):
+            contexts[index].finite = finite
+        units: list[tuple[Generator[Round, list, int], list[int]]] = []
+        if dense:
+            units.append((self.pipeline.dense_bucket_protocol([entries[index].grad for index in dense],
+                                                              [contexts[index] for index in dense],
+                                                              [entries[index].out for index in dense]), dense))
+        if align is not None:
+            segments = self._segments([entries[index] for index in compressed], align)
+            units.append((self.pipeline.segments_protocol(segments, [entries[index].grad for index in compressed],
+                                                          [contexts[index] for index in compressed],
+                                                          [entries[index].out for index in compressed]), compressed))
+        else:
+            units += [(self.pipeline.protocol(entries[index].grad, contexts[index], entries[index].out), [index])
+                      for index in compressed]
+        return units
 
-    def _found_finite(self, contexts: Sequence[CompressContext]) -> list[Finite]:
-        """Every tensor's finiteness once the protocols have compressed (before any round's results)."""
+    def _segments(self, entries: Sequence[Entry], align: int) -> Segments:
+        """The layout of these tensors (kept, with its constants, while the buckets stay the same)."""
+        key = (tuple(entry.name for entry in entries), tuple(entry.shape for entry in entries), align)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 4096:  # buckets rebuilt again and again: start over
+                self._layouts.clear()
+            layout = self._layouts[key] = Segments(key[0], tuple(tuple(entry.grad.shape) if not entry.shape
+                                                                 else entry.shape for entry in entries), align)
+        return layout
+
+    def _verdict(self, contexts: Sequence[CompressContext], device: torch.device) -> "BucketVerdict":
+        """This worker's verdict on the bucket once the protocols have compressed (before any round's
+        results): every tensor's finiteness, noted for the warnings."""
         for ctx in contexts:
             if ctx.finite is None:
                 raise RuntimeError(
                     f"gradcomp: {type(self.pipeline.compressor).__name__} declares checks_finite but its compress did "
                     f"not set ctx.finite for {ctx.name!r}"
                 )
-        self.pipeline.note_nonfinite(contexts)
-        return [ctx.finite for ctx in contexts]
-
-    def _protocol(self, entry: Entry, ctx: CompressContext) -> Generator[Round, list, int]:
-        if not self._compressed(entry):
-            return self.pipeline.dense_protocol(entry.grad, ctx, entry.out)
-        return self.pipeline.protocol(entry.grad, ctx, entry.out)
+        verdict = BucketVerdict([ctx.finite for ctx in contexts], device)
+        self.pipeline.note_nonfinite(contexts, verdict.stacked)
+        return verdict
 
     def _clock(self, clock: Stopwatch, device: torch.device):
-        return clock.measure(device) if self.pipeline.telemetry else nullcontext()
+        return clock.measure(device) if self.pipeline.telemetry or self.timed else nullcontext()
 
 
 def _advance(protocols: list[Generator[Round, list, int]], results: dict[int, Optional[list]], sent: list[int],
@@ -225,26 +273,31 @@ class BucketVerdict:
     def __init__(self, finite: Sequence[Finite], device: torch.device) -> None:
         self.finite = list(finite)
         self.device = device
+        tensors = [flag for flag in self.finite if isinstance(flag, Tensor)]
+        #: this worker's flags that are device tensors, stacked once (also read by the non-finite watch)
+        self.stacked: Optional[Tensor] = _as_vector(tensors) if tensors else None
 
     def flag(self) -> Tensor:
         """This worker's element of the final round: 0, or NaN when a gradient was not finite."""
-        if all(flag is True for flag in self.finite):
-            return torch.zeros(1, device=self.device)
         if any(flag is False for flag in self.finite):
             return torch.full((1,), math.nan, device=self.device)
-        ok = torch.stack([torch.as_tensor(flag, device=self.device) for flag in self.finite]).all()
-        return torch.where(ok, 0.0, math.nan).reshape(1).to(device=self.device, dtype=torch.float32)
+        if self.stacked is None:
+            return torch.zeros(1, device=self.device)
+        zero, nan = _flag_values(self.device)
+        return torch.where(self.stacked.all(), zero, nan)
 
     def tell(self, contexts: Sequence[CompressContext], summed: Tensor) -> None:
-        """Set every context's ``finite`` to the bucket's verdict on every worker (and this worker's own)."""
+        """Set every context's ``finite`` to the bucket's verdict on every worker. (A worker's own flag
+        needs no second look: a tensor not finite here made the summed flag NaN.)"""
         if host_reads_allowed(summed.device):
             if not math.isfinite(float(summed)):
                 for ctx in contexts:
                     ctx.finite = False
             return
-        clean = torch.isfinite(summed)
+        clean = torch.eq(summed, 0)  # the summed flag is 0 or NaN
         for ctx in contexts:
-            ctx.finite = clean if ctx.finite is True else (clean & ctx.finite if ctx.finite is not False else False)
+            if ctx.finite is not False:
+                ctx.finite = clean
 
     def poison(self, outs: Sequence[Tensor], summed: Tensor) -> None:
         """Make the results NaN when the bucket was not finite on some worker (on accelerators by adding
@@ -254,8 +307,36 @@ class BucketVerdict:
                 for out in outs:
                     out.fill_(math.nan)
             return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for out in outs:
-            out.add_(summed.to(out.dtype))
+            by_dtype.setdefault(out.dtype, []).append(out)
+        for dtype, group in by_dtype.items():
+            flag = summed.to(dtype)
+            # CUDA's multi-tensor add takes a device scalar without reading it; elsewhere that overload
+            # reads it on the host, so every tensor gets its own (0-d) operand
+            torch._foreach_add_(group, flag if flag.device.type == "cuda" else [flag] * len(group))
+
+
+def _as_vector(flags: Sequence[Tensor]) -> Tensor:
+    """The 0-d flags as one vector: the vector they were unbound from when they are all of its elements
+    in order (no copy), else a stack."""
+    base = flags[0]._base
+    if base is not None and base.dim() == 1 and base.numel() == len(flags) and all(
+            flag._base is base and flag.storage_offset() - base.storage_offset() == index * base.stride(0)
+            for index, flag in enumerate(flags)):
+        return base
+    return torch.stack([flag.reshape(()) for flag in flags])
+
+
+_FLAG_VALUES: dict[str, tuple[Tensor, Tensor]] = {}
+
+
+def _flag_values(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Kept ``(0, NaN)`` one-element float32 tensors on ``device``, the two values of a verdict flag."""
+    key = str(device)
+    if key not in _FLAG_VALUES:
+        _FLAG_VALUES[key] = (torch.zeros(1, device=device), torch.full((1,), math.nan, device=device))
+    return _FLAG_VALUES[key]
 
 
 class _FlagSlot(Enum):
@@ -277,7 +358,7 @@ class _MergedRound:
         self.device = device
         self.flag = flag  # this worker's verdict flag, in the final round (see BucketVerdict)
         self.flag_slot: Optional[_FlagSlot] = None
-        self.summed_flag = torch.zeros((), device=device)  # the flag summed over workers, once split
+        self._summed_flag: Optional[Tensor] = None  # the flag summed over workers, once split
         self.means: dict[torch.dtype, list[tuple[int, int, Mean]]] = {}
         self.gathers: list[tuple[int, int, Gather]] = []
         self.exchanges: list[tuple[int, int, AllToAll]] = []
@@ -365,9 +446,14 @@ class _MergedRound:
                    for destination in range(self.world_size)]
         self.exchange_slots = layouts[self.rank][0]
         longest = max(total for _, total in layouts)
-        rows = [wire.serialize([request.parts[destination] for _, _, request in self.exchanges], slots, longest,
-                               self.device) for destination, (slots, _) in enumerate(layouts)]
-        return torch.cat(rows)
+        return wire.serialize_rows([[request.parts[destination] for _, _, request in self.exchanges]
+                                    for destination in range(self.world_size)],
+                                   [slots for slots, _ in layouts], longest, self.device)
+
+    @property
+    def summed_flag(self) -> Tensor:
+        """The final round's flag summed over workers (0, or NaN when some worker's bucket was not finite)."""
+        return self._summed_flag if self._summed_flag is not None else torch.zeros((), device=self.device)
 
     def split(self, results: list[Tensor]) -> dict[int, list]:
         """Each tensor's results, in the order of its requests (and the flag's sum in :attr:`summed_flag`)."""
@@ -376,7 +462,7 @@ class _MergedRound:
         for position, requests in enumerate(self.means.values()):
             summed = next(results_iter)
             if self.flag_slot is _FlagSlot.MEANS and position == 0:
-                self.summed_flag, summed = summed[-1], summed[:-1]
+                self._summed_flag, summed = summed[-1], summed[:-1]
             pieces = summed.split([request.tensor.numel() for _, _, request in requests])
             for (index, position_in_tensor, request), piece in zip(requests, pieces):
                 per_tensor[index][position_in_tensor] = piece.view(request.tensor.shape)
@@ -388,7 +474,8 @@ class _MergedRound:
                 counts = self.rank_counts[rank] if self.rank_counts is not None else [None] * len(self.gathers)
                 payloads = wire.deserialize(row, slots)
                 if self.flag_slot is _FlagSlot.GATHER:
-                    self.summed_flag = self.summed_flag + payloads.pop()[0][0]
+                    flag = payloads.pop()[0][0]
+                    self._summed_flag = flag if self._summed_flag is None else self._summed_flag + flag
                 for request_index, parts in enumerate(payloads):
                     received[request_index].append(Received(parts, counts[request_index]))
             for (index, position, _), rows_of_request in zip(self.gathers, received):
@@ -402,7 +489,7 @@ class _MergedRound:
             for (index, position, _), rows_of_request in zip(self.exchanges, received):
                 per_tensor[index][position] = rows_of_request
         if self.flag_slot is _FlagSlot.ALONE:
-            self.summed_flag = next(results_iter)[0]
+            self._summed_flag = next(results_iter)[0]
         return per_tensor
 
 

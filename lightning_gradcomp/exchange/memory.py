@@ -14,6 +14,12 @@ Residuals are kept in fp32 (fp64 for fp64 gradients) whatever the gradient's dty
 gradient added to a larger residual would otherwise round away, and error feedback would stop
 delivering it. ``p_t`` is formed in that dtype; only what the compressor sends is cast.
 
+A compressor that compresses whole buckets (:class:`~lightning_gradcomp.core.segments.Segments`) finds
+the residuals of a bucket in one flat buffer (:meth:`CompressionMemory.compensate_bucket`): the
+per-name residuals are then views into it, so checkpoints and per-parameter access are unchanged, and
+the buffer is rebuilt from them only when the layout changes (DDP's bucket rebuild, a restored
+checkpoint). Flat compressor state works the same way (:meth:`CompressionMemory.bucket_state`).
+
 Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
 first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
 a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
@@ -29,12 +35,13 @@ buffer is kept (it would double the memory).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.device import state_dtype
+from lightning_gradcomp.core.segments import Segments
 from lightning_gradcomp.core.tensors import Finite, keep_if_finite
 
 
@@ -45,6 +52,9 @@ class CompressionMemory:
         self.residuals: dict[str, Tensor] = {}
         self.states: dict[str, dict[str, Tensor]] = {}
         self._spares: dict[str, Tensor] = {}  # CPU only: next step's buffer for p (see the module docstring)
+        # flat buffers of whole buckets: (what, layout) -> (buffer, the views handed out by name)
+        self._flats: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
+        self._bucket_spares: dict[tuple, Tensor] = {}
 
     def compensate(self, name: str, grad: Tensor) -> Tensor:
         """``p = g + e`` in a tensor of its own (a kept buffer on CPU), in fp32 (fp64 for fp64
@@ -77,6 +87,86 @@ class CompressionMemory:
             self._keep_spare(name, previous)
         return residual
 
+    # ------------------------------------------------------------------ whole buckets
+    def compensate_bucket(self, segments: Segments, grads: Sequence[Tensor]) -> Tensor:
+        """``p = g + e`` of every tensor of a bucket, in one flat buffer laid out by ``segments`` (fp32,
+        or fp64 for fp64 gradients; gaps zero): one ``cat`` and one ``add``."""
+        dtype = state_dtype(grads[0].dtype)
+        device = grads[0].device
+        residual = self._flat(self.residuals, ("residual", segments.key), segments, dtype, device)
+        spare = self._bucket_spares.pop(segments.key, None)
+        if spare is None or spare.numel() != segments.total or spare.dtype != dtype or spare.device != device:
+            spare = None
+        corrected = segments.gather(grads, dtype, out=spare)
+        return corrected if residual is None else corrected.add_(residual)
+
+    def update_bucket(self, segments: Segments, corrected: Tensor, subtract: Callable[[Tensor], None],
+                      finite: Finite = True) -> Optional[Tensor]:
+        """:meth:`update` for a whole bucket: ``e = p - C(p)`` in the storage of the flat ``p`` (``finite``:
+        the bucket's verdict). The per-name residuals become views of it."""
+        if finite is False:
+            self._keep_bucket_spare(segments, corrected)
+            return None
+        subtract(corrected)
+        segments.zero_gaps(corrected)
+        key = ("residual", segments.key)
+        previous = self._flat(self.residuals, key, segments, corrected.dtype, corrected.device)
+        residual = keep_if_finite(corrected, previous, finite)
+        self._adopt(self.residuals, key, segments, residual)
+        if residual is corrected and previous is not None:
+            self._keep_bucket_spare(segments, previous)
+        return residual
+
+    def bucket_state(self, segments: Segments, key: str, dtype: torch.dtype, device: torch.device,
+                     shaped: bool = False) -> Optional[Tensor]:
+        """The compressor state ``key`` of every tensor of a bucket as one flat buffer (views of it are the
+        per-name states, of ``segments.shapes`` if ``shaped``, else 1-D), or ``None`` when no tensor of the
+        bucket has it. Missing tensors' parts are zero."""
+        states = _StateColumn(self.states, key)
+        return self._flat(states, ("state", key, segments.key), segments, dtype, device, shaped)
+
+    def set_bucket_state(self, segments: Segments, key: str, flat: Tensor, shaped: bool = False) -> None:
+        """Keep ``flat`` as the state ``key`` of every tensor of a bucket (per-name views of it)."""
+        self._adopt(_StateColumn(self.states, key), ("state", key, segments.key), segments, flat, shaped)
+
+    def _flat(self, store: Any, key: tuple, segments: Segments, dtype: torch.dtype,
+              device: torch.device, shaped: bool = False) -> Optional[Tensor]:
+        """The flat buffer whose views ``store`` holds for ``segments``' names, rebuilt from ``store``
+        (with zeros where it holds nothing) when the views are not the ones handed out; ``None`` when
+        ``store`` holds nothing for these names."""
+        kept = self._flats.get(key)
+        if kept is not None and all(store.get(name) is view for name, view in zip(segments.names, kept[1])):
+            return kept[0]
+        values = [store.get(name) for name in segments.names]
+        if all(value is None for value in values):
+            self._flats.pop(key, None)
+            return None
+        flat = torch.zeros(segments.total, dtype=dtype, device=device)
+        for value, target in zip(values, segments.views(flat)):
+            if value is not None and value.numel() == target.numel():
+                target.copy_(value.reshape(-1))
+        self._adopt(store, key, segments, flat, shaped)
+        return flat
+
+    def _adopt(self, store: Any, key: tuple, segments: Segments, flat: Tensor, shaped: bool = False) -> None:
+        """Hand out ``flat``'s views by name; forget the flat buffers of other layouts of the same kind
+        that shared a name (DDP rebuilt its buckets: they would hold a stale copy)."""
+        views = segments.views(flat)
+        if shaped:
+            views = [view.view(shape) for view, shape in zip(views, segments.shapes)]
+        for name, view in zip(segments.names, views):
+            store[name] = view
+        names = set(segments.names)
+        for other in [other for other in self._flats if other[:-1] == key[:-1] and other != key
+                      and names.intersection(other[-1][0])]:
+            del self._flats[other]
+            self._bucket_spares.pop(other[-1], None)
+        self._flats[key] = (flat, views)
+
+    def _keep_bucket_spare(self, segments: Segments, buffer: Tensor) -> None:
+        if buffer.device.type == "cpu":
+            self._bucket_spares[segments.key] = buffer
+
     def _keep_spare(self, name: str, buffer: Tensor) -> None:
         if buffer.device.type == "cpu":
             self._spares[name] = buffer
@@ -89,6 +179,8 @@ class CompressionMemory:
         self.residuals.clear()
         self.states.clear()
         self._spares.clear()
+        self._flats.clear()
+        self._bucket_spares.clear()
 
     def squared_residual_norm(self) -> float:
         """``sum ||e||^2`` over all parameters."""
@@ -103,7 +195,23 @@ class CompressionMemory:
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self._spares.clear()
+        self._flats.clear()
+        self._bucket_spares.clear()
         self.residuals = {name: r.to(device) for name, r in state.get("residuals", {}).items()}
         self.states = {
             name: {k: v.to(device) for k, v in s.items()} for name, s in state.get("states", {}).items()
         }
+
+
+class _StateColumn:
+    """One key of every parameter's compressor state, read and written by parameter name."""
+
+    def __init__(self, states: dict[str, dict[str, Tensor]], key: str) -> None:
+        self.states = states
+        self.key = key
+
+    def get(self, name: str) -> Optional[Tensor]:
+        return self.states.get(name, {}).get(self.key)
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        self.states.setdefault(name, {})[self.key] = value

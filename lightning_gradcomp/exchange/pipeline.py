@@ -9,16 +9,19 @@ the write of the aggregated result.
 from __future__ import annotations
 
 import ctypes
+import math
 import warnings
 from collections import deque
-from typing import Any, Generator, Optional
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
-from lightning_gradcomp.core.protocol import Mean, Outcome, Round
-from lightning_gradcomp.core.tensors import Finite, squared_norm
+from lightning_gradcomp.core.device import host_reads_allowed, state_dtype
+from lightning_gradcomp.core.protocol import Mean, Outcome, Round, SegmentsOutcome
+from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.tensors import all_finite, all_finite_many, finite_vector, Finite, squared_norm
 from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 
@@ -112,10 +115,79 @@ class WorkerPipeline:
             outcome.write(out)
         return outcome.count
 
-    def note_nonfinite(self, contexts: list[CompressContext]) -> None:
+    def dense_bucket_protocol(self, views: Sequence[Tensor], contexts: Sequence[CompressContext],
+                              outs: Sequence[Optional[Tensor]]) -> Generator[Round, list, int]:
+        """Every parameter of a bucket below the size threshold, averaged uncompressed (see
+        :meth:`dense_protocol`): one round of ``Mean`` requests (merged into one all-reduce by the
+        engine) and one multi-tensor copy of the results."""
+        sent = [self.compressor.dense(view, ctx) for view, ctx in zip(views, contexts)]
+        if self.telemetry:
+            for view, ctx, value in zip(views, contexts, sent):
+                error = (squared_norm(view - value.to(view.dtype)) if value.dtype != view.dtype
+                         else torch.zeros((), dtype=torch.float64, device=view.device))
+                self.recorder.add(ctx.name, error, squared_norm(value), view.numel(), view.numel(), ctx.finite)
+        means = yield Round([Mean(value) for value in sent], last=True)
+        written = [(out, mean) for out, mean in zip(outs, means) if out is not None]
+        if written:
+            torch._foreach_copy_([out for out, _ in written], [mean for _, mean in written])
+        return sum(view.numel() for view in views)
+
+    def segments_protocol(self, segments: Segments, views: Sequence[Tensor], contexts: Sequence[CompressContext],
+                          outs: Sequence[Optional[Tensor]]) -> Generator[Round, list, int]:
+        """:meth:`protocol` for every compressed tensor of a bucket at once, in one flat buffer
+        (:meth:`~lightning_gradcomp.compressors.base.Compressor.exchange_segments`): ``p = g + e`` by one
+        ``cat`` and one ``add``, the compressor's bucket protocol, error feedback on the flat buffer, and
+        one multi-tensor copy of the results into ``outs``."""
+        for view, ctx in zip(views, contexts):
+            if view.numel() > MAX_NUMEL:
+                raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
+        if self.error_feedback:
+            flat = self.memory.compensate_bucket(segments, views)
+        else:
+            flat = segments.gather(views, state_dtype(views[0].dtype))
+        flags: Optional[Tensor] = None  # this worker's finiteness of each tensor, as one vector
+        if not self.compressor.checks_finite:
+            if host_reads_allowed(flat.device):
+                for ctx, finite in zip(contexts, all_finite_many(segments.views(flat))):
+                    ctx.finite = finite
+            else:
+                flags = finite_vector(segments.views(flat))
+                for ctx, finite in zip(contexts, flags.unbind()):
+                    ctx.finite = finite
+        unbound = [ctx.finite for ctx in contexts] if flags is not None else None
+        measure = self.telemetry
+        input_sq = _squared_norms(segments.views(flat)) if measure and self.error_feedback else None
+        state = _FlatState(self.memory, segments, contexts, flat.dtype, flat.device,
+                           (flags, unbound) if flags is not None else None)
+        outcome: SegmentsOutcome = yield from self.compressor.exchange_segments(flat, segments, contexts, state)
+        verdict = contexts[0].finite  # the bucket's verdict: the same in every context (BucketVerdict.tell)
+        if self.error_feedback:
+            residual = self.memory.update_bucket(segments, flat, outcome.subtract, verdict)
+            if input_sq is not None and residual is not None:
+                self.recorder.add_many(segments.names, _squared_norms(segments.views(residual)), input_sq,
+                                       tuple(outcome.counts), segments.numels, verdict)
+        elif measure and verdict is not False:
+            if outcome.error is not None:
+                error_sq, input_sq = outcome.error()
+            else:
+                error = flat.clone()
+                outcome.subtract(error)
+                error_sq, input_sq = _squared_norms(segments.views(error)), _squared_norms(segments.views(flat))
+            self.recorder.add_many(segments.names, error_sq, input_sq, tuple(outcome.counts), segments.numels,
+                                   verdict)
+        written = [(out, index) for index, out in enumerate(outs) if out is not None]
+        if written:
+            result = torch.zeros(segments.total, dtype=flat.dtype, device=flat.device)
+            outcome.write(result)
+            results = segments.views(result)
+            torch._foreach_copy_([out for out, _ in written], [results[index] for _, index in written])
+        return sum(outcome.counts)
+
+    def note_nonfinite(self, contexts: Sequence[CompressContext], stacked: Optional[Tensor] = None) -> None:
         """Remember the parameters whose gradient this worker found not finite (or may have, on
-        accelerators), for :attr:`nonfinite`; the engine calls it once per bucket."""
-        self.nonfinite.note(contexts)
+        accelerators), for :attr:`nonfinite`; the engine calls it once per bucket (``stacked``: the
+        contexts' tensor flags, stacked in order, if the caller has them)."""
+        self.nonfinite.note(contexts, stacked)
 
     def _remember(self, ctx: CompressContext, corrected: Tensor, outcome: Outcome) -> None:
         """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""
@@ -123,6 +195,67 @@ class WorkerPipeline:
         residual = self.memory.update(ctx.name, corrected, outcome.subtract, ctx.finite)
         if input_sq is not None and residual is not None:
             self.recorder.add(ctx.name, squared_norm(residual), input_sq, outcome.count, corrected.numel(), ctx.finite)
+
+
+class _FlatState(SegmentsState):
+    """A worker's compressor state of one bucket, in flat buffers of its memory."""
+
+    def __init__(self, memory: CompressionMemory, segments: Segments, contexts: Sequence[CompressContext],
+                 dtype: torch.dtype, device: torch.device, flags: Optional[tuple[Tensor, list]] = None) -> None:
+        self.memory = memory
+        self.segments = segments
+        self.contexts = contexts
+        self.dtype = dtype
+        self.device = device
+        self.flags = flags  # (a flag vector, the contexts' flags as set from its views), if so set
+
+    def get(self, key: str, layout: Optional[Segments] = None) -> Optional[Tensor]:
+        return self.memory.bucket_state(layout or self.segments, key, self.dtype, self.device, layout is not None)
+
+    def present(self, key: str, layout: Optional[Segments] = None) -> list[bool]:
+        segments = layout or self.segments
+        found = [self.memory.states.get(name, {}).get(key) for name in segments.names]
+        return [value is not None and value.numel() == numel for value, numel in zip(found, segments.numels)]
+
+    def commit(self, key: str, new: Tensor, layout: Optional[Segments] = None, check_result: bool = False) -> None:
+        segments = layout or self.segments
+        flags = [ctx.finite for ctx in self.contexts]
+        result_ok: Optional[Tensor] = None  # with check_result: whether all of new is finite (one check)
+        if check_result:
+            if host_reads_allowed(new.device):
+                ok = bool(all_finite(new))
+                flags = [flag if ok else False for flag in flags]
+            else:
+                result_ok = torch.linalg.vector_norm(new, math.inf).lt(math.inf)
+        if all(flag is False for flag in flags):
+            return
+        vector = self._flag_vector(flags)
+        if result_ok is not None:
+            vector = result_ok if vector is None else vector & result_ok
+        if vector is not None:  # keep each tensor's previous part where its flag is false
+            previous = self.get(key, layout)
+            if previous is None:
+                previous = torch.zeros_like(new)
+            rows = segments.expand(vector) if vector.dim() else vector
+            new = torch.where(rows, new.view(segments.rows, -1), previous.view(segments.rows, -1)).view(-1)
+        self.memory.set_bucket_state(segments, key, new, layout is not None)
+
+    def _flag_vector(self, flags: list) -> Optional[Tensor]:
+        """The tensors' flags as one bool vector (or one 0-d flag when they are one bucket verdict;
+        ``None`` when all are ``True``)."""
+        if all(flag is True for flag in flags):
+            return None
+        if self.flags is not None and all(flag is view for flag, view in zip(flags, self.flags[1])):
+            return self.flags[0]
+        tensors = {id(flag): flag for flag in flags if isinstance(flag, Tensor)}
+        if len(tensors) == 1 and all(flag is True or isinstance(flag, Tensor) for flag in flags):
+            return next(iter(tensors.values())).reshape(())  # the bucket's verdict, after the last round
+        return torch.stack([torch.as_tensor(flag, device=self.device).reshape(()) for flag in flags])
+
+
+def _squared_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """``‖t‖²`` of every tensor, as one float64 vector (one multi-tensor norm)."""
+    return torch.stack(torch._foreach_norm(list(tensors))).double().square()
 
 
 class NonfiniteWatch:
@@ -141,10 +274,12 @@ class NonfiniteWatch:
 
     def __init__(self) -> None:
         self._known: list[tuple[int, str]] = []
+        self._spares: dict[tuple[int, bool], list[Tensor]] = {}  # host buffers already read
         self._pending: "deque[tuple[int, list[str], Tensor, Optional[torch.cuda.Event]]]" = deque()
 
-    def note(self, contexts: list[CompressContext]) -> None:
-        """Record one bucket's flags (``ctx.finite`` of each of its tensors)."""
+    def note(self, contexts: Sequence[CompressContext], stacked: Optional[Tensor] = None) -> None:
+        """Record one bucket's flags (``ctx.finite`` of each of its tensors; ``stacked``: its tensor flags
+        stacked in order, if already at hand)."""
         unsure = []
         for ctx in contexts:
             if ctx.finite is False:
@@ -153,19 +288,28 @@ class NonfiniteWatch:
                 unsure.append(ctx)
         if not unsure:
             return
-        not_finite = torch.stack([ctx.finite.reshape(()) for ctx in unsure]).logical_not_()
-        on_cuda = not_finite.device.type == "cuda"
-        host = torch.empty(not_finite.shape, dtype=torch.bool, pin_memory=on_cuda)
-        host.copy_(not_finite, non_blocking=on_cuda)
+        finite = stacked if stacked is not None else torch.stack([ctx.finite.reshape(()) for ctx in unsure])
+        on_cuda = finite.device.type == "cuda"
+        host = self._host_buffer(finite.numel(), on_cuda)
+        host.copy_(finite, non_blocking=on_cuda)
         event = None
         if on_cuda:
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(not_finite.device))
+            event.record(torch.cuda.current_stream(finite.device))
         self._pending.append((unsure[0].step, [ctx.name for ctx in unsure], host, event))
         if len(self._pending) > self.LIMIT:
-            found = self._read(self._pending.popleft(), wait=True)
+            entry = self._pending.popleft()
+            found = self._read(entry, wait=True)
+            self._recycle(entry)
             if found[1]:
                 self._known.extend((found[0], name) for name in found[1])
+
+    def _host_buffer(self, numel: int, pinned: bool) -> Tensor:
+        """A host buffer for one bucket's flags: one read before (kept for reuse), else a new one."""
+        spares = self._spares.get((numel, pinned))
+        if spares:
+            return spares.pop()
+        return torch.empty(numel, dtype=torch.bool, pin_memory=pinned)
 
     def take(self, block: bool = False) -> list[tuple[int, list[str]]]:
         """``(step, names)`` of the non-finite gradients found since the last call, by step. Device flags
@@ -178,10 +322,19 @@ class NonfiniteWatch:
             event = self._pending[0][3]
             if not block and event is not None and not event.query():
                 break
-            step, names = self._read(self._pending.popleft(), wait=block)
+            entry = self._pending.popleft()
+            step, names = self._read(entry, wait=block)
+            self._recycle(entry)
             if names:
                 found.setdefault(step, []).extend(names)
         return sorted(found.items())
+
+    def _recycle(self, entry: tuple[int, list[str], Tensor, Any]) -> None:
+        """Keep a bucket's host buffer, once read, for a later bucket of the same size."""
+        host, pinned = entry[2], entry[3] is not None
+        spares = self._spares.setdefault((host.numel(), pinned), [])
+        if len(spares) < 64:
+            spares.append(host)
 
     @staticmethod
     def _read(entry: tuple[int, list[str], Tensor, Any], wait: bool) -> tuple[int, list[str]]:
@@ -190,8 +343,8 @@ class NonfiniteWatch:
         step, names, host, event = entry
         if event is not None and wait:
             event.synchronize()
-        flags = ctypes.string_at(host.data_ptr(), host.numel())
-        return step, [name for name, bad in zip(names, flags) if bad]
+        flags = ctypes.string_at(host.data_ptr(), host.numel())  # 1 where finite
+        return step, [name for name, finite in zip(names, flags) if not finite]
 
 
 def warn_nonfinite(found: list[tuple[int, list[str]]], rank: int) -> None:

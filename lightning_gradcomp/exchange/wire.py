@@ -56,16 +56,55 @@ def layout(payloads: Sequence[Sequence[PartSpec]]) -> tuple[list[list[Slot]], in
 
 def serialize(parts: Sequence[Sequence[Tensor]], slots: Sequence[Sequence[Slot]], total: int,
               device: torch.device) -> Tensor:
-    """Copy every part into its slot of a new uint8 buffer of ``total`` bytes (padding is zero)."""
-    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    """Every part in its slot of a new uint8 buffer of ``total`` bytes (padding is zero): one ``cat`` of
+    the parts' bytes and the zero padding between them (one kernel on a GPU, however many parts)."""
+    return serialize_rows([parts], [slots], total, device)
+
+
+def serialize_rows(rows: Sequence[Sequence[Sequence[Tensor]]], slots: Sequence[Sequence[Sequence[Slot]]],
+                   total: int, device: torch.device) -> Tensor:
+    """:func:`serialize` of several rows of ``total`` bytes each, one after the other, in one ``cat``."""
+    pieces: list[Tensor] = []
+    for parts, row_slots in zip(rows, slots):
+        pieces.extend(_pieces(parts, row_slots, total, device))
+    if not pieces:
+        return torch.zeros(total * len(rows), dtype=torch.uint8, device=device)
+    return torch.cat(pieces)
+
+
+def _pieces(parts: Sequence[Sequence[Tensor]], slots: Sequence[Sequence[Slot]], total: int,
+            device: torch.device) -> list[Tensor]:
+    """The byte views of one row's parts and the zero padding around them, in order."""
+    pieces: list[Tensor] = []
+    offset = 0
     for payload_parts, payload_slots in zip(parts, slots):
         for part, slot in zip(payload_parts, payload_slots):
             if part.dtype != slot.dtype or part.numel() != slot.numel:
                 raise RuntimeError(
                     f"payload part is {part.dtype}[{part.numel()}], the layout expects {slot.dtype}[{slot.numel}]"
                 )
-            buffer[slot.offset:slot.offset + slot.nbytes].copy_(part.reshape(-1).view(torch.uint8))
-    return buffer
+            if slot.offset > offset:
+                pieces.append(_zeros(slot.offset - offset, device))
+            if slot.nbytes:
+                pieces.append(part.reshape(-1).view(torch.uint8))
+            offset = slot.offset + slot.nbytes
+    if total > offset:
+        pieces.append(_zeros(total - offset, device))
+    return pieces
+
+
+_ZEROS: dict[tuple[int, str], Tensor] = {}
+
+
+def _zeros(nbytes: int, device: torch.device) -> Tensor:
+    """A kept zero tensor of ``nbytes`` bytes (padding: a few bytes, so few sizes)."""
+    key = (nbytes, str(device))
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if nbytes <= 4096:
+            _ZEROS[key] = zeros
+    return zeros
 
 
 def deserialize(buffer: Tensor, slots: Sequence[Sequence[Slot]]) -> list[tuple[Tensor, ...]]:

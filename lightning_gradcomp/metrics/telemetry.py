@@ -100,7 +100,7 @@ class StepRecorder:
     """Squared norms of the compression error and of the compressed input, per parameter, per step."""
 
     def __init__(self) -> None:
-        self._entries: list[tuple[str, Tensor, Tensor, int, int]] = []
+        self._entries: list[tuple[tuple[str, ...], Tensor, Tensor, tuple[int, ...], tuple[int, ...]]] = []
         self._last: Optional[Tensor] = None  # (2,) float64: the last closed step's error and input sums
         self._earlier: Optional[Tensor] = None  # the same, summed over the steps closed before it
         self._layers: Optional[tuple[list[tuple[str, int, int]], Tensor]] = None  # the last step's, if kept
@@ -108,9 +108,18 @@ class StepRecorder:
     def add(self, name: str, error_sq: Tensor, grad_sq: Tensor, count: int, numel: int, finite: object = True) -> None:
         """Record one parameter; a step whose gradient was not finite (``finite`` a 0-d tensor on
         accelerators) counts as zero, so totals stay finite."""
-        if isinstance(finite, Tensor):
+        self.add_many((name,), error_sq.reshape(1), grad_sq.reshape(1), (count,), (numel,),
+                      finite.reshape(1) if isinstance(finite, Tensor) else finite)
+
+    def add_many(self, names: tuple[str, ...], error_sq: Tensor, grad_sq: Tensor, counts: tuple[int, ...],
+                 numels: tuple[int, ...], finite: object = True) -> None:
+        """Record several parameters at once (1-D tensors of their squared norms, in ``names``' order;
+        ``finite``: a bool, or a bool tensor of one flag or one per parameter)."""
+        if finite is False:
+            error_sq, grad_sq = torch.zeros_like(error_sq), torch.zeros_like(grad_sq)
+        elif isinstance(finite, Tensor):
             error_sq, grad_sq = (torch.where(finite, value, torch.zeros_like(value)) for value in (error_sq, grad_sq))
-        self._entries.append((name, error_sq.detach(), grad_sq.detach(), count, numel))
+        self._entries.append((names, error_sq.detach(), grad_sq.detach(), counts, numels))
 
     @property
     def unread(self) -> bool:
@@ -127,10 +136,11 @@ class StepRecorder:
         self._layers = None
         if not entries:
             return
-        per_parameter = torch.stack([torch.stack([e[1].double(), e[2].double()]) for e in entries], dim=1)
+        per_parameter = torch.stack([torch.cat([e[1] for e in entries]), torch.cat([e[2] for e in entries])]).double()
         self._last = per_parameter.sum(dim=1)
         if keep_layers:
-            self._layers = ([(name, count, numel) for name, _, _, count, numel in entries], per_parameter)
+            self._layers = ([described for names, _, _, counts, numels in entries
+                             for described in zip(names, counts, numels)], per_parameter)
 
     def read(self, stats: StepStats, totals: StepStats) -> None:
         """Bring the sums to the host (one read): the last closed step's into ``stats`` (and its
