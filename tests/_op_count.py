@@ -54,8 +54,9 @@ def _counted(protocol: Generator, counter: OpCounter) -> Generator:
 
 
 def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 3, accelerator: bool = True,
-                     error_feedback: Optional[bool] = None, seed: int = 0) -> OpCounter:
-    """Worker 0's ops for the last of ``steps`` steps of a bucket of ``tensors`` tensors of :data:`SHAPE`
+                     error_feedback: Optional[bool] = None, seed: int = 0,
+                     shape: tuple[int, ...] = SHAPE) -> OpCounter:
+    """Worker 0's ops for the last of ``steps`` steps of a bucket of ``tensors`` tensors of ``shape``
     (two workers, the compressor's default error feedback, telemetry off)."""
     exchange = SimulatedExchange(make(), workers=2, error_feedback=error_feedback, min_compress_numel=1024,
                                  seed=seed)
@@ -65,7 +66,7 @@ def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 
     counter = OpCounter()
     bucket: Callable = ExchangeEngine.bucket
     for step in range(steps):
-        grads = [[(name, torch.randn(SHAPE, generator=generator)) for name in names] for _ in range(2)]
+        grads = [[(name, torch.randn(shape, generator=generator)) for name in names] for _ in range(2)]
         last = step == steps - 1
         engine = exchange.engines[0]
 

@@ -20,6 +20,7 @@ from lightning_gradcomp.compressors import COMPRESSORS
 
 from tests import _cuda_workers as workers
 from tests._gloo_workers import check_real_equals_simulated
+from tests.test_segments import SEGMENTED, compare_paths
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -45,6 +46,13 @@ def test_every_compressor_in_the_simulation_on_cuda_matches_cpu(name: str) -> No
                 continue
             close = torch.isclose(actual[param], value, rtol=1e-4, atol=1e-5).float().mean()
             assert close >= (0.995 if step == 0 else 0.98), (name, step, param, close)
+
+
+@pytest.mark.parametrize("label,make", SEGMENTED, ids=[label for label, _ in SEGMENTED])
+def test_the_whole_bucket_exchange_on_cuda_equals_the_per_tensor_protocols(label: str, make) -> None:
+    """On a GPU every listed compressor compresses whole buckets (tests/test_segments.py checks the same
+    along the accelerator path on the CPU)."""
+    compare_paths(label, make, "cuda")
 
 
 @pytest.mark.multiprocess

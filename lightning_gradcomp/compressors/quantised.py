@@ -167,12 +167,15 @@ class _QuantisedAllReduce(Compressor):
         elements; one gather; the chunks put back in place by one index."""
         workers, device = contexts[0].world_size, flat.device
         plan = _chunk_plan(segments, workers, self.block_size, device)
-        own = flat.index_select(0, plan.gather).mul_(plan.keep).view(workers, -1, self.block_size)
+        own = flat.index_select(0, plan.gather)
+        if plan.keep is not None:  # chunks padded to whole blocks: zeros there
+            own.mul_(plan.keep)
+        own = own.view(workers, -1, self.block_size)
         codes, scales = self._encode_rows(own)
         (versions,) = yield Round([AllToAll([(codes[c], scales[c]) for c in range(workers)])])
 
         received = self._decode_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
-        mean = received.sum(dim=0).div_(workers)
+        mean = received.mean(dim=0)
         previous = state.get(OWNER_RESIDUAL, plan.owner_layout) if self.owner_error_feedback else None
         if previous is not None:
             mean.add_(previous.view(mean.shape))
@@ -215,7 +218,9 @@ class _ChunkPlan:
                     first = c * width + column
                     scatter[start + begin:start + end] = torch.arange(first, first + end - begin)
             column += padded
-        self.keep = to_device((gather.view(-1) != zero).float(), device)  # 0 where chunks are padded
+        padding = gather.view(-1) == zero
+        #: 0 where chunks are padded to whole blocks, 1 elsewhere; None without padding
+        self.keep: Optional[Tensor] = to_device((~padding).float(), device) if bool(padding.any()) else None
         self.gather = to_device(gather.view(-1).clamp_(max=max(zero - 1, 0)), device)  # own chunks from the flat buffer
         self.scatter = to_device(scatter, device)  # the flat buffer from the (N, C) chunks (gaps: anything)
         #: each tensor's owner residual, as per tensor: (padded chunk / block, block)
@@ -241,6 +246,18 @@ class Int8AllReduce(_QuantisedAllReduce):
         scales = self._scales(blocks)
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
         return codes.view(torch.uint8).reshape(-1), scales
+
+    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`_encode` without its clamp, which changes no finite value: ``|x| <= peak`` makes
+        ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5."""
+        scales = self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
+        codes = torch.round(blocks / scales.unsqueeze(-1)).to(torch.int8)
+        return codes.view(torch.uint8).view(*blocks.shape[:-2], -1), scales
+
+    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
+        first)."""
+        return torch.mul(codes.view(torch.int8).view(*scales.shape, self.block_size), scales.unsqueeze(-1))
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return codes.view(torch.int8).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))

@@ -307,7 +307,7 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
     # every candidate's position in flat: its row's first element plus its column
     candidates = torch.addcmul(plan.columns, rows.view(-1, 1), plan.block)
     if segments.padded:  # a gap's zeros must not be chosen: below every real magnitude
-        magnitude = torch.where(candidates < plan.ends, magnitude, -1.0)
+        magnitude.masked_fill_(candidates >= plan.ends, -1.0)
     magnitude = magnitude.view(-1)
     chosen_values = values
     for index, (k, start, count, out) in enumerate(zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts)):
