@@ -218,9 +218,9 @@ class _ChunkPlan:
                     first = c * width + column
                     scatter[start + begin:start + end] = torch.arange(first, first + end - begin)
             column += padded
-        padding = gather.view(-1) == zero
+        padded = any(workers * size > numel for size, numel in zip(padded_sizes, segments.numels))
         #: 0 where chunks are padded to whole blocks, 1 elsewhere; None without padding
-        self.keep: Optional[Tensor] = to_device((~padding).float(), device) if bool(padding.any()) else None
+        self.keep: Optional[Tensor] = to_device((gather.view(-1) != zero).float(), device) if padded else None
         self.gather = to_device(gather.view(-1).clamp_(max=max(zero - 1, 0)), device)  # own chunks from the flat buffer
         self.scatter = to_device(scatter, device)  # the flat buffer from the (N, C) chunks (gaps: anything)
         #: each tensor's owner residual, as per tensor: (padded chunk / block, block)
