@@ -14,6 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 @pytest.mark.parametrize("script,arguments", [
     ("compression_overhead.py", ["--sizes", "2e4", "--repeats", "1"]),
     ("selection_cost.py", ["--sizes", "2e4", "--repeats", "1"]),
+    ("op_count.py", ["--tensors", "1"]),
 ])
 def test_benchmark_prints_its_table(script: str, arguments: list[str]) -> None:
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), *arguments], capture_output=True, text=True,

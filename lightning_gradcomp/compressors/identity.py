@@ -25,13 +25,17 @@ class _DenseSegments(Compressor):
     (segments without gaps): the same values as each tensor's own all-reducible payload."""
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
+        """The dtype the bucket is sent in."""
+        raise NotImplementedError
+
+    def _owner(self) -> type:
+        """The class whose per-tensor methods the bucket-wise path reproduces."""
         raise NotImplementedError
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """Whole buckets on accelerators (one cast, one all-reduce, one write: a few kernels); per tensor
         on the CPU, where it costs nothing more."""
-        owner = next(cls for cls in type(self).__mro__ if "_wire" in cls.__dict__)
-        return None if host_reads_allowed(device) or not self._per_tensor_path_is(owner) else 1
+        return None if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()) else 1
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
@@ -72,6 +76,9 @@ class NoCompression(_DenseSegments):
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         return ctx.wire_dtype(flat)
 
+    def _owner(self) -> type:
+        return NoCompression
+
 
 class _Cast(_DenseSegments):
     """Round to a 16-bit float format; the all-reduce sums in that format."""
@@ -94,6 +101,9 @@ class _Cast(_DenseSegments):
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         return self.wire_dtype
+
+    def _owner(self) -> type:
+        return _Cast
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0].to(out.dtype), alpha=alpha)
