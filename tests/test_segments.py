@@ -177,6 +177,15 @@ def test_the_quantised_all_reduce_costs_the_same_for_any_number_of_tensors(name:
     assert counts[0] == counts[1] == counts[2] <= ceiling, counts
 
 
+@pytest.mark.parametrize("name", ["dgc", "fp16", "topk", "qsgd"])
+def test_tensors_sent_dense_cost_a_fixed_number_of_ops(name: str) -> None:
+    """Biases and norms below the size threshold are one flat buffer too (DGC's momentum on them, the
+    casts' cast): 30 of them beside 10 compressed tensors add a few operations, not a few per tensor."""
+    alone = sum(count_bucket_ops(lambda: _default(name), 10).ops.values())
+    with_small = sum(count_bucket_ops(lambda: _default(name), 10, dense_tensors=30).ops.values())
+    assert with_small - alone <= 12, (alone, with_small)
+
+
 def test_the_op_count_sees_a_per_tensor_loop() -> None:
     """The counter is not blind: the per-tensor protocols of the same compressor exceed the budget."""
     from lightning_gradcomp.exchange.engine import ExchangeEngine

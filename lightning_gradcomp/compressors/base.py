@@ -306,6 +306,14 @@ class Compressor(ABC):
         every tensor at least one row of ``align`` elements)."""
         return all(numel >= align for numel in numels)
 
+    def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                       state: SegmentsState) -> Optional[Tensor]:
+        """What to all-reduce for a bucket's tensors sent dense, as one flat buffer laid out by
+        ``segments`` (alignment 1), where :meth:`dense` does more than return the tensor (DGC's momentum,
+        the casts): the same values as :meth:`dense` of every tensor, in a fixed number of operations.
+        ``None`` (default): :meth:`dense` per tensor. Used with :meth:`segment_alignment`."""
+        return None
+
     def _per_tensor_path_is(self, owner: type) -> bool:
         """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of
         them (a user's variant of a built-in) must not be bypassed by ``owner``'s bucket-wise path."""

@@ -196,15 +196,7 @@ class DGC(HasDensity, _ValuesAndIndices):
         """The same steps as :meth:`compress` on every tensor of the bucket at once: clipping by one
         multi-tensor norm, the momentum and velocity updates on flat state, the segmented top-``k``
         (:func:`~lightning_gradcomp.compressors.selection.segmented_topk`), masking by two fills."""
-        grad = flat
-        if self.clip_norm is not None:
-            limit = self.clip_norm * (contexts[0].world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
-            norms = torch.stack(torch._foreach_norm(segments.views(flat)))
-            factor = torch.clamp(limit / (norms + 1e-12), max=1.0)
-            grad = (flat.view(segments.rows, -1) * segments.expand(factor)).view(-1)
-        previous = state.get(MOMENTUM)
-        momentum = grad.clone() if previous is None else torch.add(grad, previous, alpha=self.momentum)
-        increment = torch.add(grad, momentum, alpha=self.momentum) if self.nesterov else momentum
+        increment, momentum = self._momentum_segments(flat, segments, contexts, state)
         previous_velocity = state.get(VELOCITY)
         velocity = increment.clone() if previous_velocity is None else previous_velocity + increment
         counts = [sparse_count(self.density, numel) for numel in segments.numels]
@@ -227,6 +219,28 @@ class DGC(HasDensity, _ValuesAndIndices):
 
         outcome.error = error
         return outcome
+
+    def _momentum_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                           state: SegmentsState) -> tuple[Tensor, Tensor]:
+        """:meth:`_momentum_update` of every tensor of ``flat``: clipping by one multi-tensor norm, then
+        ``u <- m u + g`` on the flat state. Returns the increment of ``v`` and the new ``u`` (not committed)."""
+        grad = flat
+        if self.clip_norm is not None:
+            limit = self.clip_norm * (contexts[0].world_size ** -0.5 if self.scale_clip_by_workers else 1.0)
+            norms = torch.stack(torch._foreach_norm(segments.views(flat)))
+            factor = torch.clamp(limit / (norms + 1e-12), max=1.0)
+            grad = (flat.view(segments.rows, -1) * segments.expand(factor)).view(-1)
+        previous = state.get(MOMENTUM)
+        momentum = grad.clone() if previous is None else torch.add(grad, previous, alpha=self.momentum)
+        increment = torch.add(grad, momentum, alpha=self.momentum) if self.nesterov else momentum
+        return increment, momentum
+
+    def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                       state: SegmentsState) -> Optional[Tensor]:
+        """:meth:`dense` of every tensor sent dense, at once: momentum SGD on the flat state."""
+        increment, momentum = self._momentum_segments(flat, segments, contexts, state)
+        state.commit(MOMENTUM, momentum)
+        return increment.to(contexts[0].dtype or flat.dtype, copy=True)
 
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖v_{t+1}‖², ‖v_t‖²)``: the velocity carried forward is DGC's compression error, and the

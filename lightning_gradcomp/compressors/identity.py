@@ -108,6 +108,11 @@ class _Cast(_DenseSegments):
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0].to(out.dtype), alpha=alpha)
 
+    def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                       state: SegmentsState) -> Optional[Tensor]:
+        """:meth:`dense` of every small tensor at once: one cast of the flat buffer."""
+        return flat.to(self.wire_dtype)
+
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """Tensors below the strategy's size threshold are cast too, so that a bucket is one 16-bit
         all-reduce (as PyTorch's ``fp16_compress_hook`` casts the whole bucket) instead of one per dtype:

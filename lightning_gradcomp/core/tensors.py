@@ -50,6 +50,17 @@ def finite_vector(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(peaks).lt(math.inf)
 
 
+def flag_vector(flags: Sequence[Tensor]) -> Tensor:
+    """0-d flags as one vector: the vector they were unbound from when they are all of its elements in
+    order (:func:`finite_vector`'s, no copy), else a stack."""
+    base = flags[0]._base
+    if base is not None and base.dim() == 1 and base.numel() == len(flags) and all(
+            flag._base is base and flag.storage_offset() - base.storage_offset() == index * base.stride(0)
+            for index, flag in enumerate(flags)):
+        return base
+    return torch.stack([flag.reshape(()) for flag in flags])
+
+
 def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:
     """``new`` if ``finite``, else ``previous`` (``None``: nothing yet): state is never replaced by the
     result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync)."""

@@ -44,11 +44,11 @@ from typing import Generator, Iterator, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext
+from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round
 from lightning_gradcomp.core.segments import Segments
-from lightning_gradcomp.core.tensors import all_finite_many, Finite
+from lightning_gradcomp.core.tensors import all_finite_many, Finite, flag_vector
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.pipeline import WorkerPipeline
 from lightning_gradcomp.metrics.telemetry import Stopwatch
@@ -195,7 +195,13 @@ class ExchangeEngine:
         for index, finite in zip(checked, all_finite_many([entries[index].grad for index in checked])):
             contexts[index].finite = finite
         units: list[tuple[Generator[Round, list, int], list[int]]] = []
-        if dense:
+        bucket_path = self.segmented and compressor.segment_alignment(device) is not None
+        if dense and bucket_path and type(compressor).dense_segments is not Compressor.dense_segments:
+            segments = self._segments([entries[index] for index in dense], 1)
+            units.append((self.pipeline.dense_segments_protocol(segments, [entries[index].grad for index in dense],
+                                                                [contexts[index] for index in dense],
+                                                                [entries[index].out for index in dense]), dense))
+        elif dense:
             units.append((self.pipeline.dense_bucket_protocol([entries[index].grad for index in dense],
                                                               [contexts[index] for index in dense],
                                                               [entries[index].out for index in dense]), dense))
@@ -275,7 +281,7 @@ class BucketVerdict:
         self.device = device
         tensors = [flag for flag in self.finite if isinstance(flag, Tensor)]
         #: this worker's flags that are device tensors, stacked once (also read by the non-finite watch)
-        self.stacked: Optional[Tensor] = _as_vector(tensors) if tensors else None
+        self.stacked: Optional[Tensor] = flag_vector(tensors) if tensors else None
 
     def flag(self) -> Tensor:
         """This worker's element of the final round: 0, or NaN when a gradient was not finite."""
@@ -315,17 +321,6 @@ class BucketVerdict:
             # CUDA's multi-tensor add takes a device scalar without reading it; elsewhere that overload
             # reads it on the host, so every tensor gets its own (0-d) operand
             torch._foreach_add_(group, flag if flag.device.type == "cuda" else [flag] * len(group))
-
-
-def _as_vector(flags: Sequence[Tensor]) -> Tensor:
-    """The 0-d flags as one vector: the vector they were unbound from when they are all of its elements
-    in order (no copy), else a stack."""
-    base = flags[0]._base
-    if base is not None and base.dim() == 1 and base.numel() == len(flags) and all(
-            flag._base is base and flag.storage_offset() - base.storage_offset() == index * base.stride(0)
-            for index, flag in enumerate(flags)):
-        return base
-    return torch.stack([flag.reshape(()) for flag in flags])
 
 
 _FLAG_VALUES: dict[str, tuple[Tensor, Tensor]] = {}

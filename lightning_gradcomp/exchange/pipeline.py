@@ -21,7 +21,14 @@ from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.core.device import host_reads_allowed, state_dtype
 from lightning_gradcomp.core.protocol import Mean, Outcome, Round, SegmentsOutcome
 from lightning_gradcomp.core.segments import Segments, SegmentsState
-from lightning_gradcomp.core.tensors import all_finite, all_finite_many, finite_vector, Finite, squared_norm
+from lightning_gradcomp.core.tensors import (
+    all_finite,
+    all_finite_many,
+    Finite,
+    finite_vector,
+    flag_vector,
+    squared_norm,
+)
 from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 
@@ -131,6 +138,31 @@ class WorkerPipeline:
         if written:
             torch._foreach_copy_([out for out, _ in written], [mean for _, mean in written])
         return sum(view.numel() for view in views)
+
+    def dense_segments_protocol(self, segments: Segments, views: Sequence[Tensor],
+                                contexts: Sequence[CompressContext], outs: Sequence[Optional[Tensor]]
+                                ) -> Generator[Round, list, int]:
+        """:meth:`dense_bucket_protocol` for a compressor whose :meth:`~Compressor.dense` does work (DGC's
+        momentum, a cast): the small tensors in one flat buffer, the compressor's
+        :meth:`~Compressor.dense_segments`, one ``Mean`` and one multi-tensor copy of the results."""
+        flat = segments.gather(views, state_dtype(views[0].dtype))
+        state = _FlatState(self.memory, segments, contexts, flat.dtype, flat.device)
+        sent = self.compressor.dense_segments(flat, segments, contexts, state)
+        if self.telemetry:  # a cast has a rounding error; anything else sent dense is exact
+            sent_views = segments.views(sent)
+            error = (_squared_norms(torch._foreach_sub(segments.views(flat), [v.to(flat.dtype) for v in sent_views]))
+                     if sent.dtype != flat.dtype else torch.zeros(len(segments), dtype=torch.float64,
+                                                                  device=flat.device))
+            finite = [ctx.finite for ctx in contexts]
+            verdict = (False if any(flag is False for flag in finite) else True if all(flag is True for flag in finite)
+                       else flag_vector([flag for flag in finite]))
+            self.recorder.add_many(segments.names, error, _squared_norms(sent_views), segments.numels,
+                                   segments.numels, verdict)
+        (mean,) = yield Round([Mean(sent)], last=True)
+        written = [(out, result) for out, result in zip(outs, segments.views(mean)) if out is not None]
+        if written:
+            torch._foreach_copy_([out for out, _ in written], [result for _, result in written])
+        return segments.total
 
     def segments_protocol(self, segments: Segments, views: Sequence[Tensor], contexts: Sequence[CompressContext],
                           outs: Sequence[Optional[Tensor]]) -> Generator[Round, list, int]:
@@ -247,6 +279,8 @@ class _FlatState(SegmentsState):
             return None
         if self.flags is not None and all(flag is view for flag, view in zip(flags, self.flags[1])):
             return self.flags[0]
+        if all(isinstance(flag, Tensor) and flag.dim() == 0 for flag in flags) and len({id(flag) for flag in flags}) > 1:
+            return flag_vector(flags)
         tensors = {id(flag): flag for flag in flags if isinstance(flag, Tensor)}
         if len(tensors) == 1 and all(flag is True or isinstance(flag, Tensor) for flag in flags):
             return next(iter(tensors.values())).reshape(())  # the bucket's verdict, after the last round
