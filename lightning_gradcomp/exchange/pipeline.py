@@ -25,7 +25,6 @@ from lightning_gradcomp.core.tensors import (
     all_finite,
     all_finite_many,
     Finite,
-    finite_vector,
     flag_vector,
     squared_norm,
 )
@@ -153,9 +152,8 @@ class WorkerPipeline:
             error = (_squared_norms(torch._foreach_sub(segments.views(flat), [v.to(flat.dtype) for v in sent_views]))
                      if sent.dtype != flat.dtype else torch.zeros(len(segments), dtype=torch.float64,
                                                                   device=flat.device))
-            finite = [ctx.finite for ctx in contexts]
-            verdict = (False if any(flag is False for flag in finite) else True if all(flag is True for flag in finite)
-                       else flag_vector([flag for flag in finite]))
+            finite = [ctx.finite for ctx in contexts]  # all bools (CPU) or all 0-d tensors (elsewhere)
+            verdict = flag_vector(finite) if isinstance(finite[0], Tensor) else all(finite)
             self.recorder.add_many(segments.names, error, _squared_norms(sent_views), segments.numels,
                                    segments.numels, verdict)
         (mean,) = yield Round([Mean(sent)], last=True)
@@ -177,20 +175,12 @@ class WorkerPipeline:
             flat = self.memory.compensate_bucket(segments, views)
         else:
             flat = segments.gather(views, state_dtype(views[0].dtype))
-        flags: Optional[Tensor] = None  # this worker's finiteness of each tensor, as one vector
         if not self.compressor.checks_finite:
-            if host_reads_allowed(flat.device):
-                for ctx, finite in zip(contexts, all_finite_many(segments.views(flat))):
-                    ctx.finite = finite
-            else:
-                flags = finite_vector(segments.views(flat))
-                for ctx, finite in zip(contexts, flags.unbind()):
-                    ctx.finite = finite
-        unbound = [ctx.finite for ctx in contexts] if flags is not None else None
+            for ctx, finite in zip(contexts, all_finite_many(segments.views(flat))):
+                ctx.finite = finite
         measure = self.telemetry
         input_sq = _squared_norms(segments.views(flat)) if measure and self.error_feedback else None
-        state = _FlatState(self.memory, segments, contexts, flat.dtype, flat.device,
-                           (flags, unbound) if flags is not None else None)
+        state = _FlatState(self.memory, segments, contexts, flat.dtype, flat.device)
         outcome: SegmentsOutcome = yield from self.compressor.exchange_segments(flat, segments, contexts, state)
         verdict = contexts[0].finite  # the bucket's verdict: the same in every context (BucketVerdict.tell)
         if self.error_feedback:
@@ -233,13 +223,12 @@ class _FlatState(SegmentsState):
     """A worker's compressor state of one bucket, in flat buffers of its memory."""
 
     def __init__(self, memory: CompressionMemory, segments: Segments, contexts: Sequence[CompressContext],
-                 dtype: torch.dtype, device: torch.device, flags: Optional[tuple[Tensor, list]] = None) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.memory = memory
         self.segments = segments
         self.contexts = contexts
         self.dtype = dtype
         self.device = device
-        self.flags = flags  # (a flag vector, the contexts' flags as set from its views), if so set
 
     def get(self, key: str, layout: Optional[Segments] = None) -> Optional[Tensor]:
         return self.memory.bucket_state(layout or self.segments, key, self.dtype, self.device, layout is not None)
@@ -273,17 +262,15 @@ class _FlatState(SegmentsState):
         self.memory.set_bucket_state(segments, key, new, layout is not None)
 
     def _flag_vector(self, flags: list) -> Optional[Tensor]:
-        """The tensors' flags as one bool vector (or one 0-d flag when they are one bucket verdict;
-        ``None`` when all are ``True``)."""
+        """The tensors' flags as one bool vector (the vector they are views of, when they are), or one 0-d
+        flag when they are one bucket verdict (after the last round); ``None`` when all are ``True``."""
         if all(flag is True for flag in flags):
             return None
-        if self.flags is not None and all(flag is view for flag, view in zip(flags, self.flags[1])):
-            return self.flags[0]
-        if all(isinstance(flag, Tensor) and flag.dim() == 0 for flag in flags) and len({id(flag) for flag in flags}) > 1:
-            return flag_vector(flags)
         tensors = {id(flag): flag for flag in flags if isinstance(flag, Tensor)}
         if len(tensors) == 1 and all(flag is True or isinstance(flag, Tensor) for flag in flags):
-            return next(iter(tensors.values())).reshape(())  # the bucket's verdict, after the last round
+            return next(iter(tensors.values())).reshape(())
+        if len(tensors) == len(flags):
+            return flag_vector(flags)
         return torch.stack([torch.as_tensor(flag, device=self.device).reshape(()) for flag in flags])
 
 
