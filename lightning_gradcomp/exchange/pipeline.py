@@ -86,20 +86,6 @@ class WorkerPipeline:
         return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape), finite,
                                dtype)
 
-    def dense_protocol(self, view: Tensor, ctx: CompressContext,
-                       out: Optional[Tensor]) -> Generator[Round, list, int]:
-        """A parameter below the size threshold: averaged uncompressed (DGC adds its momentum first, the
-        16-bit casts cast it)."""
-        sent = self.compressor.dense(view, ctx)
-        if self.telemetry:  # a cast (fp16, bf16) has a rounding error; anything else sent dense is exact
-            error = (squared_norm(view - sent.to(view.dtype)) if sent.dtype != view.dtype
-                     else torch.zeros((), dtype=torch.float64, device=view.device))
-            self.recorder.add(ctx.name, error, squared_norm(sent), view.numel(), view.numel(), ctx.finite)
-        (mean,) = yield Round([Mean(sent)], last=True)
-        if out is not None:
-            out.copy_(mean)
-        return view.numel()
-
     def protocol(self, view: Tensor, ctx: CompressContext, out: Optional[Tensor]) -> Generator[Round, list, int]:
         """``C(g + e)`` exchanged by the compressor's protocol, then error feedback
         ``e_{t+1} = p_t − C(p_t)``, telemetry, and the aggregate written to ``out`` (``None``: not
@@ -123,9 +109,10 @@ class WorkerPipeline:
 
     def dense_bucket_protocol(self, views: Sequence[Tensor], contexts: Sequence[CompressContext],
                               outs: Sequence[Optional[Tensor]]) -> Generator[Round, list, int]:
-        """Every parameter of a bucket below the size threshold, averaged uncompressed (see
-        :meth:`dense_protocol`): one round of ``Mean`` requests (merged into one all-reduce by the
-        engine) and one multi-tensor copy of the results."""
+        """Every parameter of a bucket below the size threshold, averaged uncompressed (what each sends:
+        :meth:`~Compressor.dense`; DGC adds its momentum first, the 16-bit casts cast): one round of
+        ``Mean`` requests (merged into one all-reduce by the engine) and one multi-tensor copy of the
+        results."""
         sent = [self.compressor.dense(view, ctx) for view, ctx in zip(views, contexts)]
         if self.telemetry:
             for view, ctx, value in zip(views, contexts, sent):
