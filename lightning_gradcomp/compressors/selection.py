@@ -310,7 +310,7 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
         magnitude.masked_fill_(candidates >= plan.ends, -1.0)
     magnitude = magnitude.view(-1)
     chosen_values = values
-    for index, (k, start, count, out) in enumerate(zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts)):
+    for k, start, count, out in zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts):
         torch.topk(magnitude[start * block:(start + count) * block], k, sorted=False,
                    out=(chosen_values[out:out + k], chosen[out:out + k]))
     chosen += plan.candidate_offsets

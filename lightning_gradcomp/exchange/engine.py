@@ -187,7 +187,8 @@ class ExchangeEngine:
         compressor = self.pipeline.compressor
         dense = [index for index, entry in enumerate(entries) if not self._compressed(entry)]
         compressed = [index for index, entry in enumerate(entries) if self._compressed(entry)]
-        align = compressor.segment_alignment(device) if self.segmented and compressed else None
+        bucket_alignment = compressor.segment_alignment(device) if self.segmented else None
+        align = bucket_alignment if compressed else None
         if align is not None and not compressor.segments_fit([entries[index].grad.numel() for index in compressed],
                                                              align):
             align = None  # e.g. a tensor smaller than a row: the per-tensor formats decide (DGC's dense payload)
@@ -195,8 +196,7 @@ class ExchangeEngine:
         for index, finite in zip(checked, all_finite_many([entries[index].grad for index in checked])):
             contexts[index].finite = finite
         units: list[tuple[Generator[Round, list, int], list[int]]] = []
-        bucket_path = self.segmented and compressor.segment_alignment(device) is not None
-        if dense and bucket_path and type(compressor).dense_segments is not Compressor.dense_segments:
+        if dense and bucket_alignment is not None and type(compressor).dense_segments is not Compressor.dense_segments:
             segments = self._segments([entries[index] for index in dense], 1)
             units.append((self.pipeline.dense_segments_protocol(segments, [entries[index].grad for index in dense],
                                                                 [contexts[index] for index in dense],
