@@ -3,12 +3,20 @@ tests/_processes.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+import os
 
-import pytest
+# MKL's matrix products depend on the memory alignment of their operands unless its strict conditional
+# numerical reproducibility is on: two ranks multiplying the same matrices (PowerSGD's P·Qᵀ) may then
+# round differently, and the tests compare ranks bit for bit. Set before torch loads MKL, inherited by
+# the fork server and every process the tests start.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-from tests._processes import run_lightning
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests._processes import run_lightning  # noqa: E402
 
 
 def _memoised_runs(root: Path, script: str) -> Callable[..., tuple[list[dict], str]]:

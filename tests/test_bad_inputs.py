@@ -173,17 +173,18 @@ def test_a_checkpoint_this_version_cannot_read_is_refused_with_the_reason(entry,
 
 
 def test_cli_value_error_is_one_short_message(tmp_path) -> None:
-    import subprocess
-    import sys
+    import os
     from pathlib import Path
 
+    from tests._processes import run_script
+
     recipe = Path(__file__).parents[1] / "recipes" / "quickstart_digits.yaml"
-    proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp", "fit", "--config", str(recipe),
-                           "--trainer.devices=1", "--trainer.strategy.init_args.compressor.init_args.density=2"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "`density` must be a number in (0, 1], got 2.0" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 6, proc.stderr
+    code, output = run_script("lightning_gradcomp", ["fit", "--config", str(recipe), "--trainer.devices=1",
+                                                     "--trainer.strategy.init_args.compressor.init_args.density=2"],
+                              tmp_path, dict(os.environ), timeout=300)
+    assert code == 2, output[-2000:]
+    assert "`density` must be a number in (0, 1], got 2.0" in output
+    assert "Traceback" not in output and len(output.strip().splitlines()) <= 6, output
 
 
 # ------------------------------------------------------------------ compressor and strategy arguments

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
+
+from tests._processes import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -16,8 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
     ("selection_cost.py", ["--sizes", "2e4", "--repeats", "1"]),
     ("op_count.py", ["--tensors", "1"]),
 ])
-def test_benchmark_prints_its_table(script: str, arguments: list[str]) -> None:
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *arguments], capture_output=True, text=True,
-                            timeout=300, cwd=BENCHMARKS)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "|---|" in result.stdout
+def test_benchmark_prints_its_table(script: str, arguments: list[str], tmp_path: Path) -> None:
+    code, output = run_script(BENCHMARKS / script, arguments, tmp_path, dict(os.environ), timeout=300)
+    assert code == 0, output[-2000:]
+    assert "|---|" in output

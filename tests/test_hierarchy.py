@@ -48,22 +48,19 @@ def test_lightning_two_nodes_of_two_processes_train_hierarchically(tmp_path) -> 
     the groups come from Lightning's cluster environment, every rank ends with the same parameters, and
     the checkpoint holds the 4 ranks' states under the hierarchical layout."""
     import os
-    import subprocess
-    import sys
 
     import torch
 
-    from tests._processes import SCRIPTS, free_port
+    from tests._processes import SCRIPTS, ScriptRun, free_port
 
     port = str(free_port())
     ckpt = tmp_path / "hier.ckpt"
-    args = [sys.executable, str(SCRIPTS / "train_digits.py"), "--out", str(tmp_path / "hier"), "--num-nodes", "2",
-            "--hierarchy", "node", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt)]
+    args = ["--out", str(tmp_path / "hier"), "--num-nodes", "2", "--hierarchy", "node", "--compressor", "topk",
+            "--epochs", "2", "--save", str(ckpt)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    nodes = [subprocess.Popen(args, env=dict(env, NODE_RANK=str(node)), cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node in range(2)]
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(output[-3000:] for output in outputs)
+    nodes = [ScriptRun(SCRIPTS / "train_digits.py", args, tmp_path, dict(env, NODE_RANK=str(node))) for node in range(2)]
+    finished = [node.wait(timeout=400) for node in nodes]
+    assert all(code == 0 for code, _ in finished), "\n".join(output[-3000:] for _, output in finished)
     ranks = [torch.load(tmp_path / f"hier.rank{rank}.pt", weights_only=False) for rank in range(4)]
     steps = 2 * 11  # 1348 training images / 4 ranks / batch 32, rounded up
     for result in ranks:

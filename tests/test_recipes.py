@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from lightning_gradcomp.examples.language import EOS, UNK, PTBDataModule, batchify
 from lightning_gradcomp.tools.cli import build_cli
+from tests._processes import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -80,11 +79,9 @@ def test_batchify_and_bptt_chunks_shift_targets_by_one() -> None:
 
 
 def _run_cli(args: list[str], cwd: Path) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "lightning_gradcomp", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
+    code, output = run_script("lightning_gradcomp", args, cwd, dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert code == 0, output[-4000:]
+    return output
 
 
 @pytest.mark.multiprocess
