@@ -1,22 +1,34 @@
-"""Accuracy against bytes sent, per compressor and setting, side by side with no compression.
+"""Accuracy (or validation loss) against bytes sent, per compressor and setting, side by side with no compression.
 
-    python benchmarks/accuracy_vs_bytes.py [--epochs 3] [--workers 4] [--seeds 0 1 2] [--suite grid|adaptive|local] [--plot out.png]
+    python benchmarks/accuracy_vs_bytes.py [--epochs 3] [--workers 4] [--seeds 0 1 2] [--suite grid|adaptive|local|demo] [--plot out.png]
+    python benchmarks/accuracy_vs_bytes.py --task text [--corpus DIR] [--steps 400] --suite local|demo
 
-Fashion-MNIST (offline: ``apt-get install dataset-fashion-mnist``), a 784-256-128-10 MLP, ``workers``
-workers simulated on one device (Harris 2020, §3.2) with batch 64 per worker, SGD. ``grid`` is Harris 2020's table:
-Top-k and DGC at 50x/500x/5000x, QSGD with 64/16/4 levels, hard threshold (λ = 1/(2√k) for k = 0.1% of
-the model per step), uncompressed; and the families added since: PowerSGD (rank 2 and 4), signSGD with
-majority vote, EF-signSGD, TernGrad, the int8 / int4 / fp8 quantised all-reduce. ``adaptive`` is paper
-Tirupati et al.'s comparison: uncompressed, constant 8-bit, and the adaptive schedule. ``local`` compares
-local updates at equal optimizer steps (``workers`` replicas that really diverge, each its own optimizer):
-DDP (every step, uncompressed), per-step Top-k 0.1%, DiLoCo (uncompressed and int8 outer gradients),
-SparseLoCo (outer SGD lr 1) and Streaming DiLoCo (2 fragments, τ = 1, α = 0.5, fp4), at H = 10 and 50.
+``--task fashion`` (default): Fashion-MNIST (offline: ``apt-get install dataset-fashion-mnist``), a
+784-256-128-10 MLP, ``workers`` workers simulated on one device (Harris 2020, §3.2) with batch 64 per
+worker, SGD. ``--task text``: a byte-level transformer (2 blocks of width 128, context 64, about 0.46M
+parameters) on every ``*.txt`` file under ``--corpus`` (default: Debian's Python documentation,
+``apt-get install python3.11-doc``), batch 8 windows per worker, AdamW (lr 1e-3, betas 0.9/0.95),
+``--steps`` optimizer steps; it reports the validation loss in nats per byte (lower is better).
+
+Suites. ``grid`` (fashion) is Harris 2020's table: Top-k and DGC at 50x/500x/5000x, QSGD with 64/16/4
+levels, hard threshold (λ = 1/(2√k) for k = 0.1% of the model per step), uncompressed; and the families
+added since: PowerSGD (rank 2 and 4), signSGD with majority vote, EF-signSGD, TernGrad, the int8 / int4 /
+fp8 quantised all-reduce. ``adaptive`` (fashion) is paper Tirupati et al.'s comparison: uncompressed,
+constant 8-bit, and the adaptive schedule. ``local`` compares local updates at equal optimizer steps
+(``workers`` replicas that really diverge, each its own optimizer): DDP (every step, uncompressed),
+per-step Top-k 0.1%, DiLoCo (uncompressed and int8 outer gradients), SparseLoCo (outer SGD lr 1) and
+Streaming DiLoCo (2 fragments, τ = 1, α = 0.5, fp4), at H = 10 and 50; the inner optimizer is the task's
+(SGD with momentum 0.9 on fashion, AdamW on text). ``demo`` compares DeMo (SGD without momentum at
+AdamW's learning rate, weight decay as AdamW's) with AdamW DDP, and with Top-k (AdamW, error feedback)
+and DGC (momentum 0.9, its SGD at the task's SGD learning rate) at the density that sends DeMo's bytes
+per step; and DeMo as the outer compressor of DiLoCo (H = 10, ``sign=False``).
 
 Every setting runs once per seed (``--seeds``; the seed drives the initialisation, the data order and
 the compressors' generators) and the table reports the mean ± sample standard deviation over seeds of
-the final test accuracy, with the bytes each worker handed to the collectives over training, the
-measured compression ratio and average density, wall time, and the communication time estimated on a
-10 Gbit/s parameter server (Harris 2020's setting). The plot shows the spread as error bars.
+the final test accuracy (fashion) or validation loss (text), with the bytes each worker handed to the
+collectives over training, the measured compression ratio against fp32 DDP at every optimizer step and
+average density, wall time, and the communication time estimated on a 10 Gbit/s parameter server
+(Harris 2020's setting). The plot shows the spread as error bars.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import math
 import statistics
 import time
 import warnings
+from dataclasses import dataclass, field
+from typing import Optional
 
 import lightning as L
 import torch
@@ -36,6 +50,7 @@ from _timing import print_table
 from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor
 from lightning_gradcomp.compressors import (
     DGC,
+    DeMo,
     QSGD,
     EFSignSGD,
     FP4AllReduce,
@@ -51,65 +66,127 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.local import LocalUpdates
+from lightning_gradcomp.examples.text import DEBIAN_PYTHON_DOCS, ByteTransformer, TextCorpusDataModule
 from lightning_gradcomp.examples.vision import FashionMNISTDataModule, ImageClassifier
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import GradCompSimStrategy
 
 NETWORK = Network(bandwidth_gbps=10, latency_us=50, topology="parameter_server")
 PARAMS = 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+MIN_COMPRESS_NUMEL = 1024
+#: the base optimizer of each task (AdamW's learning rate is also DeMo's) and the SGD of DGC
+OPTIMIZERS = {"fashion": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+              "text": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0}}
+ADAMW_LR = 1e-3
+SGD_LR = {"fashion": 0.05, "text": 0.1}
 
 
-def grid() -> list[tuple[str, str, object, list]]:
+@dataclass
+class Run:
+    """One row: a method, its setting, and what it changes from the task's defaults."""
+
+    method: str
+    setting: str
+    compressor: object
+    callbacks: list = field(default_factory=list)
+    local_updates: object = None
+    optimizer: Optional[dict] = None  # None: the task's base optimizer
+
+
+def grid(task: str) -> list[Run]:
     k = 0.001 * PARAMS
-    runs = [("none", "-", NoCompression(), [])]
+    runs = [Run("none", "-", NoCompression())]
     for ratio, density in (("50x", 0.01), ("500x", 0.001), ("5000x", 0.0001)):
-        runs.append(("topk", ratio, TopK(density), []))
+        runs.append(Run("topk", ratio, TopK(density)))
     for ratio, density in (("50x", 0.01), ("500x", 0.001), ("5000x", 0.0001)):
-        runs.append(("dgc", ratio, DGC(density, momentum=0.9), []))
+        runs.append(Run("dgc", ratio, DGC(density, momentum=0.9)))
     for levels in (64, 16, 4):
-        runs.append(("qsgd", f"s={levels}", QSGD(levels=levels), []))
-    runs.append(("threshold", "λ=1/(2√k), k=0.1%", HardThreshold(1 / (2 * math.sqrt(k))), []))
+        runs.append(Run("qsgd", f"s={levels}", QSGD(levels=levels)))
+    runs.append(Run("threshold", "λ=1/(2√k), k=0.1%", HardThreshold(1 / (2 * math.sqrt(k)))))
     for rank in (2, 4):
-        runs.append(("powersgd", f"rank {rank}", PowerSGD(rank=rank), []))
-    runs += [("signsgd", "majority vote", SignSGD(), []), ("efsignsgd", "-", EFSignSGD(), []),
-             ("terngrad", "-", TernGrad(), []), ("int8", "block 256", Int8AllReduce(), []),
-             ("int4", "block 256", Int4AllReduce(), []), ("fp8", "e4m3", FP8AllReduce(), [])]
+        runs.append(Run("powersgd", f"rank {rank}", PowerSGD(rank=rank)))
+    runs += [Run("signsgd", "majority vote", SignSGD()), Run("efsignsgd", "-", EFSignSGD()),
+             Run("terngrad", "-", TernGrad()), Run("int8", "block 256", Int8AllReduce()),
+             Run("int4", "block 256", Int4AllReduce()), Run("fp8", "e4m3", FP8AllReduce())]
     return runs
 
 
-def adaptive() -> list[tuple[str, str, object, list]]:
+def adaptive(task: str) -> list[Run]:
     schedule = AdaptiveCompression(monitor="val_acc", levels=[{"bits": 4}, {"bits": 8}, {"bits": 16}, None],
                                    thresholds=[0.85, 0.87, 0.89], loss_delta=0.005,
                                    patience=3, escape_epochs=1)
-    return [("none", "-", NoCompression(), []), ("qsgd", "constant 8-bit", QSGD(bits=8), []),
-            ("qsgd", "adaptive 4/8/16/32-bit", QSGD(bits=4), [schedule])]
+    return [Run("none", "-", NoCompression()), Run("qsgd", "constant 8-bit", QSGD(bits=8)),
+            Run("qsgd", "adaptive 4/8/16/32-bit", QSGD(bits=4), [schedule])]
 
 
-def local() -> list[tuple[str, str, object, list, object]]:
+def local(task: str) -> list[Run]:
     """Local updates against per-step exchanges, at equal optimizer steps."""
     outer_sgd = functools.partial(torch.optim.SGD, lr=1.0)
-    runs = [("none", "every step", NoCompression(), [], None), ("topk", "0.1%, every step", TopK(0.001), [], None)]
+    runs = [Run("none", "every step", NoCompression()), Run("topk", "0.1%, every step", TopK(0.001))]
     for h in (10, 50):
-        runs += [("diloco", f"H={h}", NoCompression(), [], LocalUpdates(h)),
-                 ("diloco int8", f"H={h}", Int8AllReduce(), [], LocalUpdates(h)),
-                 ("sparseloco", f"H={h}", SparseLoCo(), [], LocalUpdates(h, outer_optimizer=outer_sgd)),
-                 ("streaming", f"H={h}, F=2, τ=1, α=0.5", FP4AllReduce(), [],
-                  LocalUpdates(h, fragments=2, delay=1, alpha=0.5))]
+        runs += [Run("diloco", f"H={h}", NoCompression(), local_updates=LocalUpdates(h)),
+                 Run("diloco int8", f"H={h}", Int8AllReduce(), local_updates=LocalUpdates(h)),
+                 Run("sparseloco", f"H={h}", SparseLoCo(), local_updates=LocalUpdates(h, outer_optimizer=outer_sgd)),
+                 Run("streaming", f"H={h}, F=2, τ=1, α=0.5", FP4AllReduce(),
+                     local_updates=LocalUpdates(h, fragments=2, delay=1, alpha=0.5))]
     return runs
 
 
-def run(compressor, callbacks: list, args: argparse.Namespace, seed: int, local_updates=None) -> dict:
+def equal_bytes_density(model: torch.nn.Module, compressor) -> float:
+    """The Top-k density whose payload (fp32 value + int32 index per coordinate) has the bytes of
+    ``compressor``'s, over the tensors that are compressed."""
+    sent, numel = 0, 0
+    for parameter in model.parameters():
+        if parameter.numel() >= MIN_COMPRESS_NUMEL:
+            fmt = compressor.wire_format(tuple(parameter.shape), torch.float32)
+            sent += sum(count * torch.empty((), dtype=dtype).element_size() for rounds in fmt for dtype, count in rounds)
+            numel += parameter.numel()
+    return sent / (8 * numel)
+
+
+def demo(task: str) -> list[Run]:
+    """DeMo against AdamW DDP, and Top-k and DGC at DeMo's bytes per step."""
+    density = equal_bytes_density(build_model(task, OPTIMIZERS[task]), DeMo())
+    adamw = {"optimizer": "adamw", "lr": ADAMW_LR, "weight_decay": 0.0}
+    sign_sgd = {"optimizer": "sgd", "lr": ADAMW_LR, "momentum": 0.0, "weight_decay": 0.0}
+    plain_sgd = {"optimizer": "sgd", "lr": SGD_LR[task], "momentum": 0.0, "weight_decay": 0.0}
+    return [Run("none", "AdamW", NoCompression(), optimizer=adamw),
+            Run("demo", "k=32 of 64x64, SGD", DeMo(), optimizer=sign_sgd),
+            Run("demo", "bf16 values", DeMo(value_dtype="bfloat16"), optimizer=sign_sgd),
+            Run("topk", f"density {density:.4f}, AdamW", TopK(density), optimizer=adamw),
+            Run("dgc", f"density {density:.4f}", DGC(density, momentum=0.9), optimizer=plain_sgd),
+            Run("demo outer", "DiLoCo H=10, sign=False", DeMo(sign=False), optimizer=adamw,
+                local_updates=LocalUpdates(10))]
+
+
+def build_model(task: str, optimizer: dict) -> L.LightningModule:
+    if task == "text":
+        return ByteTransformer(**optimizer)
+    return ImageClassifier(backbone="fashion_mlp", **optimizer)
+
+
+def build_data(task: str, args: argparse.Namespace, seed: int) -> L.LightningDataModule:
+    if task == "text":
+        return TextCorpusDataModule(args.corpus, batch_size=8 * args.workers, seed=seed)
+    return FashionMNISTDataModule(data_dir=args.data_dir, batch_size=64 * args.workers)
+
+
+def run(spec: Run, args: argparse.Namespace, seed: int) -> dict:
     L.seed_everything(seed, verbose=False)
-    momentum = 0.0 if isinstance(compressor, DGC) else 0.9
-    model = ImageClassifier(backbone="fashion_mlp", lr=0.05, momentum=momentum, weight_decay=0.0)
-    data = FashionMNISTDataModule(data_dir=args.data_dir, batch_size=64 * args.workers)
-    strategy = GradCompSimStrategy(workers=args.workers, compressor=copy.deepcopy(compressor),
-                                   min_compress_numel=1024, seed=seed, print_summary=False,
-                                   local_updates=local_updates)
+    optimizer = dict(spec.optimizer or OPTIMIZERS[args.task])
+    if spec.optimizer is None and isinstance(spec.compressor, DGC) and spec.local_updates is None:
+        optimizer.update(optimizer="sgd", lr=SGD_LR[args.task], momentum=0.0)  # DGC holds the momentum
+    model = build_model(args.task, optimizer)
+    data = build_data(args.task, args, seed)
+    strategy = GradCompSimStrategy(workers=args.workers, compressor=copy.deepcopy(spec.compressor),
+                                   min_compress_numel=MIN_COMPRESS_NUMEL, seed=seed, print_summary=False,
+                                   local_updates=spec.local_updates)
     monitor = CompressionMonitor(network=NETWORK, log_every_n_steps=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=args.epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[monitor, *copy.deepcopy(callbacks)], num_sanity_val_steps=0)
+    length = {"max_steps": args.steps, "max_epochs": -1} if args.task == "text" else {"max_epochs": args.epochs}
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[monitor, *copy.deepcopy(spec.callbacks)], num_sanity_val_steps=0,
+                        limit_val_batches=0 if args.task == "text" else None, **length)
     comm = []
     original = monitor.on_train_batch_end
 
@@ -122,44 +199,61 @@ def run(compressor, callbacks: list, args: argparse.Namespace, seed: int, local_
     trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - began
     totals = strategy.hook_state.totals
-    accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
+    if args.task == "text":
+        trainer.limit_val_batches = 1.0
+        score = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    else:
+        score = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"] * 100
     # against dense fp32 DDP exchanging at every optimizer step (local updates exchange every H steps)
     per_step_dense = totals.bytes_dense / max(totals.steps, 1) * trainer.global_step
-    return {"acc": accuracy, "bytes": totals.bytes_sent, "ratio": per_step_dense / totals.bytes_sent,
+    return {"score": score, "bytes": totals.bytes_sent, "ratio": per_step_dense / totals.bytes_sent,
             "density": totals.density, "wall": wall, "comm": sum(comm)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--task", choices=["fashion", "text"], default="fashion")
+    parser.add_argument("--epochs", type=int, default=3, help="fashion: epochs")
+    parser.add_argument("--steps", type=int, default=400, help="text: optimizer steps")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--suite", choices=["grid", "adaptive", "local"], default="grid")
-    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--suite", choices=["grid", "adaptive", "local", "demo"], default="grid")
+    parser.add_argument("--data-dir", default="data", help="fashion: torchvision's data folder")
+    parser.add_argument("--corpus", default=DEBIAN_PYTHON_DOCS, help="text: a folder of *.txt files")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--plot", default=None, help="write accuracy against bytes to this PNG (needs matplotlib)")
     args = parser.parse_args()
+    if args.task == "text" and args.suite in ("grid", "adaptive"):
+        parser.error("--task text runs the 'local' and 'demo' suites")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    runs = {"grid": grid, "adaptive": adaptive, "local": local}[args.suite]()
-    print(f"# Fashion-MNIST MLP ({PARAMS} parameters), {args.workers} simulated workers x batch 64, "
-          f"{args.epochs} epochs, suite {args.suite}; comm estimated on {NETWORK}")
+    runs = {"grid": grid, "adaptive": adaptive, "local": local, "demo": demo}[args.suite](args.task)
+    if args.task == "text":
+        size = sum(p.numel() for p in build_model("text", OPTIMIZERS["text"]).parameters())
+        print(f"# byte-level transformer ({size} parameters) on {args.corpus}, {args.workers} simulated workers x "
+              f"8 windows of 64 bytes, {args.steps} steps, suite {args.suite}; comm estimated on {NETWORK}")
+        measure = "validation loss (nats/byte)"
+    else:
+        print(f"# Fashion-MNIST MLP ({PARAMS} parameters), {args.workers} simulated workers x batch 64, "
+              f"{args.epochs} epochs, suite {args.suite}; comm estimated on {NETWORK}")
+        measure = "test acc (%)"
     results, rows = [], []
     baseline_wall = None
-    for method, setting, compressor, callbacks, *schedule in runs:
-        per_seed = [run(compressor, callbacks, args, seed, *schedule) for seed in args.seeds]
-        accuracies = [100 * result["acc"] for result in per_seed]
+    for spec in runs:
+        per_seed = [run(spec, args, seed) for seed in args.seeds]
+        scores = [result["score"] for result in per_seed]
         result = {key: statistics.mean(r[key] for r in per_seed) for key in per_seed[0]}
-        result["acc_mean"] = statistics.mean(accuracies)
-        result["acc_std"] = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
+        result["score_mean"] = statistics.mean(scores)
+        result["score_std"] = statistics.stdev(scores) if len(scores) > 1 else 0.0
         baseline_wall = baseline_wall or result["wall"]
-        results.append((method, setting, result))
-        rows.append([method, setting, f"{result['acc_mean']:.2f} ± {result['acc_std']:.2f}",
+        results.append((spec.method, spec.setting, result))
+        digits = 3 if args.task == "text" else 2
+        rows.append([spec.method, spec.setting, f"{result['score_mean']:.{digits}f} ± {result['score_std']:.{digits}f}",
                      f"{result['bytes'] / 1e6:.2f}", f"{result['ratio']:.1f}x", f"{result['density']:.4g}",
                      f"{result['wall']:.1f}", f"{result['wall'] / baseline_wall:.2f}", f"{result['comm']:.2f}"])
-        print(f"done: {method} {setting}: {rows[-1]} (seeds: {', '.join(f'{a:.2f}' for a in accuracies)})",
+        print(f"done: {spec.method} {spec.setting}: {rows[-1]} (seeds: {', '.join(f'{a:.{digits}f}' for a in scores)})",
               flush=True)
     print()
-    print_table(["method", "setting", f"test acc (%), mean ± std over {len(args.seeds)} seeds", "MB sent / worker",
+    print_table(["method", "setting", f"{measure}, mean ± std over {len(args.seeds)} seeds", "MB sent / worker",
                  "ratio", "avg density", "wall (s)", "wall / none", "comm est (s)"], rows)
     if args.plot:
         import matplotlib
@@ -172,12 +266,12 @@ def main() -> None:
                    "signsgd": "v", "efsignsgd": "<", "terngrad": ">", "int8": "X", "int4": "x", "fp8": "h"}
         colours = plt.get_cmap("tab20").colors
         for index, (method, setting, result) in enumerate(results):
-            ax.errorbar(result["bytes"] / 1e6, result["acc_mean"], yerr=result["acc_std"], label=f"{method} {setting}",
+            ax.errorbar(result["bytes"] / 1e6, result["score_mean"], yerr=result["score_std"], label=f"{method} {setting}",
                         marker=markers.get(method, "o"), color=colours[index % len(colours)], markersize=6,
                         capsize=3, linestyle="none")
         ax.set_xscale("log")
         ax.set_xlabel("MB sent per worker (log)")
-        ax.set_ylabel(f"test accuracy (%), mean ± std of {len(args.seeds)} seeds")
+        ax.set_ylabel(f"{measure}, mean ± std of {len(args.seeds)} seeds")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

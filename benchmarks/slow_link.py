@@ -13,7 +13,8 @@ method runs in its own pair of processes with DDP's default buckets, one after t
 session, so a method that crashes is reported as such and the others still run: plain DDP, DDP with
 PyTorch's ``bf16_compress_hook`` (the honest baseline), ``fp16_compress_hook``, PyTorch's
 ``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and DGC at density 0.001, hard
-threshold, QSGD, the int8 quantised all-reduce, and ``noop_hook``, the bound where communication costs
+threshold, QSGD, the int8 quantised all-reduce, DeMo (32 of every 64 x 64 DCT tile of its momentum), and
+``noop_hook``, the bound where communication costs
 nothing. Printed: the median step time over ``--steps`` steps after warm-up, and the ratios to plain
 DDP, to bf16 DDP, to the bound and to PyTorch's PowerSGD. With ``--rounds R`` every method
 runs R times in turn and its steps are pooled, so that a slow spell of the machine (a shared VM's
@@ -42,7 +43,8 @@ from pathlib import Path
 NETNS = "gcnet"
 #: ``alone``: the bare model, no DDP and no communication: the bound of local updates (``noop`` still pays
 #: DDP's bucket copies).
-METHODS = ["ddp", "bf16", "noop", "fp16", "torch_powersgd", "powersgd", "topk", "dgc", "threshold", "qsgd", "int8"]
+METHODS = ["ddp", "bf16", "noop", "fp16", "torch_powersgd", "powersgd", "topk", "dgc", "threshold", "qsgd", "int8",
+           "demo"]
 #: Local updates, each at H = 10 and 50 (``<method>_h<H>``): DiLoCo with fp32 and with int8 outer gradients,
 #: SparseLoCo (its compressor, outer SGD at lr 1), Streaming DiLoCo (2 fragments, merged 1 step late, α = 0.5,
 #: fp4 outer gradients). Their time is per optimizer step, averaged over whole windows (synchronisation
@@ -94,7 +96,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
-    from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, Int8AllReduce, PowerSGD, TopK
+    from lightning_gradcomp.compressors import DGC, QSGD, DeMo, HardThreshold, Int8AllReduce, PowerSGD, TopK
     from _timing import ddp_step_times
     from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 
@@ -136,7 +138,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     elif method != "ddp":
         compressor = {"topk": TopK(0.001), "dgc": DGC(0.001, momentum=0.9), "powersgd": PowerSGD(rank=2),
                       "threshold": HardThreshold(1 / (2 * k ** 0.5)), "qsgd": QSGD(levels=16),
-                      "int8": Int8AllReduce()}[method]
+                      "int8": Int8AllReduce(), "demo": DeMo()}[method]
         ddp.register_comm_hook(GradCompHookState(compressor, names, exchange_thread=threaded or None), gradcomp_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)

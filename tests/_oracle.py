@@ -12,10 +12,11 @@ quantised all-reduce's average of every worker's quantised chunk, re-quantised b
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
-from lightning_gradcomp.compressors import CompressContext, Compressor, Payload, PowerSGD, SignSGD, SparseLoCo
+from lightning_gradcomp.compressors import CompressContext, Compressor, DeMo, Payload, PowerSGD, SignSGD, SparseLoCo
 from lightning_gradcomp.compressors.powersgd import Q_STATE
 from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL, _QuantisedAllReduce
 from lightning_gradcomp.compressors.sparseloco import ACCUMULATOR
@@ -43,10 +44,14 @@ def expected_aggregate(exchange: SimulatedExchange, named_grads: list[list[tuple
             contexts.append(ctx)
         if inputs[0].numel() < exchange.min_compress_numel:
             out[name] = _summed([compressor.dense(x, ctx) for x, ctx in zip(inputs, contexts)]).double()
+            compressor.finalize_dense(out[name], contexts[0])
         elif isinstance(compressor, SignSGD):
             out[name] = _majority_vote(compressor, inputs, contexts)
         elif isinstance(compressor, PowerSGD):
             out[name] = _power_step(compressor, inputs, contexts)
+        elif isinstance(compressor, DeMo):
+            out[name] = demo_aggregate(inputs, [ctx.state.get("momentum") for ctx in contexts], shape,
+                                       compressor.chunk, compressor.k, compressor.decay, compressor.sign)[0]
         elif isinstance(compressor, SparseLoCo) and compressor.aggregate == "chosen":
             out[name] = _mean_over_choosers(compressor, inputs, contexts)
         elif isinstance(compressor, _QuantisedAllReduce):
@@ -143,3 +148,54 @@ def _quantised_all_reduce(compressor: _QuantisedAllReduce, inputs: list[torch.Te
         requantised = compressor._decode(*compressor._encode(mean)).reshape(-1)
         result[start:stop] = requantised[: stop - start].double()
     return result
+
+
+def _dct(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II matrix from its definition, element by element, in float64."""
+    out = torch.empty(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            out[i, j] = math.sqrt((1.0 if i == 0 else 2.0) / n) * math.cos(math.pi * (2 * j + 1) * i / (2 * n))
+    return out
+
+
+def _divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def demo_aggregate(inputs: list[torch.Tensor], momenta: list, shape: tuple[int, ...], chunk: int, k: int,
+                   decay: float, sign: bool, lr: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """DeMo's steps 2 to 6 (and the sign) in float64, tile by tile: ``δ_w = β·δ_w + η·x_w``; per tile
+    ``C = D_a·T·D_bᵀ`` of ``δ_w``, its ``k`` largest ``|C|`` chosen, removed from ``δ_w``; per coefficient
+    the mean over the workers that chose it, ``D_aᵀ·M·D_b``. Returns the flat aggregate and the new
+    momenta."""
+    numel = inputs[0].numel()
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = numel // rows
+    a, b = _divisor(rows, chunk), _divisor(cols, chunk)
+    d_a, d_b = _dct(a), _dct(b)
+    total = torch.zeros(rows, cols, dtype=torch.float64)
+    chosen = torch.zeros(rows, cols, dtype=torch.float64)
+    new_momenta = []
+    for x, previous in zip(inputs, momenta):
+        delta = lr * x.double().reshape(rows, cols)
+        if previous is not None:
+            delta = delta + decay * previous.double().reshape(rows, cols)
+        for y in range(0, rows, a):
+            for z in range(0, cols, b):
+                coefficients = d_a @ delta[y:y + a, z:z + b] @ d_b.T
+                top = coefficients.reshape(-1).abs().topk(min(k, a * b)).indices
+                sent, mask = torch.zeros(a * b, dtype=torch.float64), torch.zeros(a * b, dtype=torch.float64)
+                sent[top], mask[top] = coefficients.reshape(-1)[top], 1.0
+                sent = sent.reshape(a, b)
+                delta[y:y + a, z:z + b] -= d_a.T @ sent @ d_b
+                total[y:y + a, z:z + b] += sent
+                chosen[y:y + a, z:z + b] += mask.reshape(a, b)
+        new_momenta.append(delta.reshape(-1))
+    mean = total / chosen.clamp(min=1.0)
+    result = torch.zeros(rows, cols, dtype=torch.float64)
+    for y in range(0, rows, a):
+        for z in range(0, cols, b):
+            result[y:y + a, z:z + b] = d_a.T @ mean[y:y + a, z:z + b] @ d_b
+    result = result.reshape(-1)
+    return (result.sign() if sign else result), new_momenta

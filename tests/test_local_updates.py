@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
 from tests._local_workers import (
@@ -74,8 +75,9 @@ def test_outer_step_follows_the_outer_optimizer() -> None:
         torch.testing.assert_close(glob, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("compressor", ["none", "topk", "efsignsgd"])
-def test_one_step_windows_with_plain_outer_sgd_are_the_per_step_exchange(compressor: str) -> None:
+@pytest.mark.parametrize("compressor", ["none", "topk", "efsignsgd", DeMo(chunk=16, k=4, sign=False)],
+                         ids=["none", "topk", "efsignsgd", "demo"])
+def test_one_step_windows_with_plain_outer_sgd_are_the_per_step_exchange(compressor) -> None:
     """H = 1, outer SGD at lr 1 without momentum, inner SGD at lr η: θ ← θ − C̄(η·g) (with error feedback
     on η·g), exactly what the per-step exchange of the same compressor does with SGD at lr η."""
     workers, lr = 2, 0.05

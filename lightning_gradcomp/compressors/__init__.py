@@ -7,6 +7,7 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     get_compressor,
 )
+from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import BF16, FP16, NoCompression
 from lightning_gradcomp.compressors.powersgd import PowerSGD
@@ -23,6 +24,7 @@ __all__ = [
     "CompressContext",
     "Compressor",
     "DGC",
+    "DeMo",
     "EFSignSGD",
     "FP16",
     "FP4AllReduce",

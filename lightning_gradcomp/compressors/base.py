@@ -220,6 +220,10 @@ class Compressor(ABC):
         """A step after aggregation, in place on the averaged result ``out`` (a majority vote takes its
         sign); nothing by default."""
 
+    def finalize_dense(self, out: Tensor, ctx: CompressContext) -> None:
+        """A step after averaging a tensor sent dense (below the strategy's size threshold), in place on
+        the mean ``out`` (DeMo takes its sign); nothing by default."""
+
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖p − C(p)‖², ‖p‖²)`` for the tensor just exchanged (telemetry of compressors without the
         generic error feedback; under error feedback the pipeline measures the residual itself)."""
@@ -317,8 +321,8 @@ class Compressor(ABC):
     def _per_tensor_path_is(self, owner: type) -> bool:
         """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of
         them (a user's variant of a built-in) must not be bypassed by ``owner``'s bucket-wise path."""
-        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "compression_error", "static_count",
-                   "part_dtypes", "payload_numels", "wire_format")
+        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "finalize_dense", "compression_error",
+                   "static_count", "part_dtypes", "payload_numels", "wire_format")
         return all(getattr(type(self), method) is getattr(owner, method) for method in methods)
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],

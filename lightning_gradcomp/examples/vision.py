@@ -34,18 +34,23 @@ def _torchvision():
 
 
 class ImageClassifier(L.LightningModule):
-    """Cross-entropy classifier around any backbone, with accuracy from torchmetrics and plain SGD.
+    """Cross-entropy classifier around any backbone, with accuracy from torchmetrics; SGD or AdamW.
 
     Args:
         backbone: ``"resnet18_cifar"``, ``"fashion_cnn"`` or ``"fashion_mlp"``.
         num_classes: output classes.
-        lr, momentum, weight_decay: SGD settings (momentum 0 with DGC, which holds its own).
+        lr, momentum, weight_decay: the optimizer's settings (SGD: momentum 0 with DGC and DeMo, which hold
+            their own; AdamW ignores ``momentum``).
         max_epochs_for_schedule: if set, cosine-anneal the learning rate over this many epochs.
+        optimizer: ``"sgd"`` or ``"adamw"``.
     """
 
     def __init__(self, backbone: str = "resnet18_cifar", num_classes: int = 10, lr: float = 0.1,
-                 momentum: float = 0.0, weight_decay: float = 5e-4, max_epochs_for_schedule: Optional[int] = None) -> None:
+                 momentum: float = 0.0, weight_decay: float = 5e-4, max_epochs_for_schedule: Optional[int] = None,
+                 optimizer: str = "sgd") -> None:
         super().__init__()
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"`optimizer` must be 'sgd' or 'adamw', got {optimizer!r}")
         self.save_hyperparameters()
         if backbone == "resnet18_cifar":
             self.net = resnet18_cifar(num_classes)
@@ -80,8 +85,11 @@ class ImageClassifier(L.LightningModule):
         self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
-                                    weight_decay=self.hparams.weight_decay)
+        if self.hparams.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
+                                        weight_decay=self.hparams.weight_decay)
         if not self.hparams.max_epochs_for_schedule:
             return optimizer
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.hparams.max_epochs_for_schedule)

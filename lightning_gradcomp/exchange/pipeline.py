@@ -123,7 +123,15 @@ class WorkerPipeline:
         written = [(out, mean) for out, mean in zip(outs, means) if out is not None]
         if written:
             torch._foreach_copy_([out for out, _ in written], [mean for _, mean in written])
+            self._finalize_dense(outs, contexts)
         return sum(view.numel() for view in views)
+
+    def _finalize_dense(self, outs: Sequence[Optional[Tensor]], contexts: Sequence[CompressContext]) -> None:
+        """The compressor's step after the dense average (DeMo's sign), where it has one."""
+        if type(self.compressor).finalize_dense is not Compressor.finalize_dense:
+            for out, ctx in zip(outs, contexts):
+                if out is not None:
+                    self.compressor.finalize_dense(out, ctx)
 
     def dense_segments_protocol(self, segments: Segments, views: Sequence[Tensor],
                                 contexts: Sequence[CompressContext], outs: Sequence[Optional[Tensor]]
@@ -147,6 +155,7 @@ class WorkerPipeline:
         written = [(out, result) for out, result in zip(outs, segments.views(mean)) if out is not None]
         if written:
             torch._foreach_copy_([out for out, _ in written], [result for _, result in written])
+            self._finalize_dense(outs, contexts)
         return segments.total
 
     def segments_protocol(self, segments: Segments, views: Sequence[Tensor], contexts: Sequence[CompressContext],

@@ -1,0 +1,294 @@
+"""DeMo: decoupled momentum, sent as its largest DCT coefficients.
+
+Peng, Quesnelle & Kingma, "Decoupled Momentum Optimization" (arXiv 2411.19870; ICLR 2026), Algorithm 1
+and the authors' ``demo.py``. Per worker and parameter, with momentum ``δ`` (fp32, kept by each worker),
+learning rate ``η`` and weight decay ``λ``::
+
+    1. p ← p·(1 − η·λ)                          decoupled weight decay          (the optimizer)
+    2. δ ← β·δ + η·g                            momentum per worker, β = 0.999   (here)
+    3. X = DCT(δ)                               orthonormal DCT-II per tile      (here)
+    4. S = per tile, the k (32) entries of X of largest |X|                      (here)
+    5. δ ← δ − IDCT(S)                          what is sent leaves the momentum (here)
+    6. all-gather S; per coefficient, the mean over the workers that chose it; IDCT (here)
+    7. p ← p − η·sign(aggregate)                                                 (the optimizer)
+
+The compressor does steps 2-6 and hands ``ĝ = sign(IDCT(mean))`` to the optimizer as the gradient.
+The learning rate and the weight decay live in the optimizer, which must be plain SGD (no momentum, no
+moments: DeMo's momentum replaces them, :meth:`DeMo.check_optimizer` refuses the others):
+``SGD(lr=η, weight_decay=λ)`` computes ``p ← p − η·(ĝ + λ·p) = p·(1 − η·λ) − η·ĝ``, steps 1 and 7 exactly.
+Step 2 reads ``η`` from that optimizer (its first parameter group, at every step), so the momentum
+weighs each gradient by its step's learning rate as the reference does; the strategies bind it when
+they check the optimizer, a bare ``register()`` user calls ``compressor.check_optimizer(optimizer)``.
+Unbound (as the outer compressor of local updates, whose outer gradients already carry the learning
+rate), ``η = 1`` in step 2. Parameter groups whose learning rates keep constant ratios (any scheduler
+that scales them alike) select the same coefficients and signs as with their own ``η``: per tile the
+selection, and per tensor the sign, do not depend on a constant factor.
+
+Tiles (the reference's ``TransformDCT``): a weight of shape ``(R, C, ...)`` is viewed as ``(R, C·...)``
+(the reference handles 2-D weights only; a convolution's trailing dimensions are flattened here) and cut
+into ``a × b`` tiles, ``a`` the largest divisor of ``R`` at most ``chunk`` (64) and ``b`` that of the
+columns; a 1-D tensor of ``n`` elements is one row of tiles of ``1 × b``. The transform of a tile ``T`` is
+``D_a · T · D_bᵀ`` with the orthonormal DCT-II matrix ``D_n[i, j] = s_i · cos(π·(2j + 1)·i / (2n))``,
+``s_0 = √(1/n)``, ``s_i = √(2/n)``.
+
+Wire: per tile, ``min(k, a·b)`` indices in ``⌈log₂(a·b)⌉`` bits (12 for a 64 × 64 tile), bit-packed, and the
+values in the gradient's dtype or in ``value_dtype``. The momentum keeps what rounding to that dtype lost.
+For a 64 × 64 tile with fp32 values that is 32·(12 + 32)/8 = 176 bytes for 16 KiB: 93x fewer bytes than
+fp32; with bf16 values 146x.
+
+Tensors the strategy sends dense (fewer than ``min_compress_numel`` elements) take DeMo with every
+coefficient sent: ``δ ← β·δ + η·g`` is averaged whole and its sign handed on, ``δ ← 0``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, check_bool, check_int
+from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.core.device import state_dtype
+from lightning_gradcomp.core.protocol import Gather, Outcome, Round
+
+#: the compressor state key of the decoupled momentum ``δ``
+MOMENTUM = "momentum"
+
+#: allowed ``value_dtype`` names
+VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (the reference's ``_get_smaller_split``)."""
+    for candidate in range(min(n, limit), 0, -1):
+        if n % candidate == 0:
+            return candidate
+    return 1
+
+
+@lru_cache(maxsize=64)
+def dct_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The orthonormal DCT-II matrix ``D_n`` (its inverse is its transpose)."""
+    i = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+    j = torch.arange(n, dtype=torch.float64).unsqueeze(0)
+    matrix = torch.cos(math.pi * (2 * j + 1) * i / (2 * n)) * math.sqrt(2.0 / n)
+    matrix[0] /= math.sqrt(2.0)
+    return matrix.to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a tensor of ``rows × cols`` elements is cut into ``a × b`` tiles, and how many coefficients
+    of each tile are sent."""
+
+    rows: int
+    cols: int
+    a: int
+    b: int
+    k: int
+
+    @classmethod
+    def of(cls, numel: int, shape: Sequence[int], chunk: int, k: int) -> "Tiling":
+        """The tiling of a tensor of ``shape`` (flat ``numel`` elements; a shape that does not match is
+        taken as 1-D)."""
+        if len(shape) >= 2 and math.prod(shape) == numel:
+            rows, cols = shape[0], numel // shape[0]
+        else:
+            rows, cols = 1, numel
+        a, b = largest_divisor_at_most(rows, chunk), largest_divisor_at_most(cols, chunk)
+        return cls(rows, cols, a, b, min(k, a * b))
+
+    @property
+    def tile(self) -> int:
+        return self.a * self.b
+
+    @property
+    def tiles(self) -> int:
+        return (self.rows // self.a) * (self.cols // self.b)
+
+    @property
+    def count(self) -> int:
+        return self.tiles * self.k
+
+    @property
+    def index_bits(self) -> int:
+        return max(1, math.ceil(math.log2(self.tile)))
+
+    def encode(self, flat: Tensor) -> Tensor:
+        """DCT of every tile: ``(tiles, a·b)`` coefficients of the flat tensor."""
+        d_a, d_b = dct_matrix(self.a, flat.dtype, flat.device), dct_matrix(self.b, flat.dtype, flat.device)
+        grid = flat.view(self.rows // self.a, self.a, self.cols // self.b, self.b)
+        return torch.einsum("yhxw,Hh,Ww->yxHW", grid, d_a, d_b).reshape(self.tiles, self.tile)
+
+    def decode(self, coefficients: Tensor) -> Tensor:
+        """Inverse of :meth:`encode`: the flat tensor of ``(tiles, a·b)`` coefficients."""
+        d_a = dct_matrix(self.a, coefficients.dtype, coefficients.device)
+        d_b = dct_matrix(self.b, coefficients.dtype, coefficients.device)
+        grid = coefficients.view(self.rows // self.a, self.cols // self.b, self.a, self.b)
+        return torch.einsum("yxHW,Hh,Ww->yhxw", grid, d_a, d_b).reshape(-1)
+
+
+class DeMo(Compressor):
+    """DeMo: each worker's momentum, sent as its ``k`` largest DCT coefficients per tile; the optimizer
+    steps along the sign of their aggregate (see the module docstring for the seven steps).
+
+    Use it with ``torch.optim.SGD(lr, weight_decay)`` and no momentum.
+
+    Args:
+        chunk: the tile edge to aim for (64): tiles are the largest divisors of each dimension at most this.
+        k: coefficients sent per tile (32).
+        decay: ``β``, the momentum's decay in ``[0, 1)`` (0.999).
+        sign: hand the optimizer the sign of the aggregate (True, DeMo's) or the aggregate itself.
+        value_dtype: the dtype of the values on the wire: ``None`` (the gradient's), ``"float16"`` or
+            ``"bfloat16"``.
+    """
+
+    name = "demo"
+    owns_residual = True  # the momentum δ keeps what was not sent
+
+    def __init__(self, chunk: int = 64, k: int = 32, decay: float = 0.999, sign: bool = True,
+                 value_dtype: Optional[str] = None) -> None:
+        self.chunk = check_int(chunk, "chunk", 1)
+        self.k = check_int(k, "k", 1)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"`decay` must be a number in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.sign = check_bool(sign, "sign")
+        if value_dtype is not None and value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"`value_dtype` must be None or one of {', '.join(map(repr, VALUE_DTYPES))}, "
+                             f"got {value_dtype!r}")
+        self.value_dtype = value_dtype
+        self._optimizer: Optional[weakref.ReferenceType] = None
+
+    def hparams(self) -> dict[str, Any]:
+        return {"chunk": self.chunk, "k": self.k, "decay": self.decay, "sign": self.sign,
+                "value_dtype": self.value_dtype}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_optimizer": None}  # the binding is per process: the strategy binds again
+
+    # ------------------------------------------------------------------ the optimizer
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse an optimizer that keeps a momentum or moments of its own (DeMo's momentum replaces
+        them, and step 7 is plain SGD), then read the learning rate of step 2 from it."""
+        for index, group in enumerate(optimizer.param_groups):
+            if "betas" in group:
+                raise ValueError(
+                    f"DeMo holds the momentum and steps along a sign, but {type(optimizer).__name__} keeps moments "
+                    f"(betas={tuple(group['betas'])}, param group {index}); allowed: torch.optim.SGD with "
+                    "momentum=0 (weight_decay gives DeMo's decoupled weight decay)")
+            if group.get("momentum", 0):
+                raise ValueError(
+                    f"DeMo holds the momentum, but {type(optimizer).__name__} applies momentum={group['momentum']} "
+                    f"too (param group {index}); allowed: momentum=0 (plain SGD)")
+        self._optimizer = weakref.ref(optimizer)
+
+    def _learning_rate(self) -> Any:
+        """``η`` of step 2: the bound optimizer's first group's learning rate (1 when unbound)."""
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        return 1.0 if optimizer is None else optimizer.param_groups[0]["lr"]
+
+    def _momentum(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """``δ ← β·δ + η·g`` (a new tensor; fp32, fp64 for fp64 gradients)."""
+        grad = tensor.to(state_dtype(tensor.dtype))
+        lr = self._learning_rate()
+        scaled = grad * lr if isinstance(lr, Tensor) or lr != 1.0 else grad
+        previous = ctx.state.get(MOMENTUM)
+        if previous is None or previous.shape != grad.shape:
+            return scaled.clone() if scaled is grad else scaled
+        return torch.add(scaled, previous, alpha=self.decay)
+
+    # ------------------------------------------------------------------ the wire format
+    def tiling(self, numel: int, shape: Sequence[int]) -> Tiling:
+        return Tiling.of(numel, shape, self.chunk, self.k)
+
+    def static_count(self, numel: int) -> Optional[int]:
+        """The count of a 1-D tensor of ``numel`` elements (a weight's depends on its shape, see
+        :meth:`wire_format`); never on the data."""
+        return self.tiling(numel, ()).count
+
+    def _value_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return VALUE_DTYPES[self.value_dtype] if self.value_dtype is not None else dtype
+
+    def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None,
+                    world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
+        tiling = self.tiling(math.prod(shape), shape)
+        return [[(torch.uint8, packed_nbytes(tiling.count, tiling.index_bits)),
+                 (self._value_dtype(dtype), tiling.count)]]
+
+    def check_payload(self, payload: Payload, dtype: torch.dtype, name: str = "") -> None:
+        tiling: Tiling = payload.meta
+        declared = self.wire_format((tiling.rows, tiling.cols), dtype)[0]
+        actual = [(part.dtype, part.numel()) for part in payload.parts]
+        if payload.count != tiling.count or declared != actual:
+            where = f" for parameter {name!r}" if name else ""
+            raise ValueError(f"{type(self).__name__}.compress returned {payload.count} coordinates in parts "
+                             f"{actual}{where}, but its tiling declares {tiling.count} in {declared}")
+
+    # ------------------------------------------------------------------ compress and decode
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        """Steps 2 to 5: the momentum, its DCT, the top-k per tile; what is sent leaves the momentum."""
+        tiling = self.tiling(tensor.numel(), ctx.shape)
+        momentum = self._momentum(tensor, ctx)
+        coefficients = tiling.encode(momentum)
+        # nan_to_num: a non-finite gradient (voided by the bucket's verdict) must still give valid indices
+        chosen = coefficients.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
+        values = coefficients.gather(1, chosen).to(self._value_dtype(ctx.wire_dtype(tensor)))
+        payload = Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
+                          tiling.count, tiling)
+        sent = torch.zeros_like(coefficients).scatter_(1, chosen, values.to(coefficients.dtype))
+        ctx.commit(MOMENTUM, momentum.sub_(tiling.decode(sent)))
+        return payload
+
+    def _coefficients(self, payload: Payload) -> tuple[Tensor, Tensor]:
+        """``(indices within each tile, values)``, both ``(tiles, k)``."""
+        tiling: Tiling = payload.meta
+        within = unpack(payload.parts[0], tiling.index_bits, tiling.count).view(tiling.tiles, tiling.k)
+        return within, payload.parts[1].view(tiling.tiles, tiling.k)
+
+    def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
+        tiling: Tiling = payload.meta
+        within, values = self._coefficients(payload)
+        coefficients = torch.zeros(tiling.tiles, tiling.tile, dtype=out.dtype, device=out.device)
+        coefficients.scatter_(1, within, values.to(out.dtype))
+        out.add_(tiling.decode(coefficients), alpha=alpha)
+
+    def exchange(self, tensor: Tensor, ctx: CompressContext):
+        """One gather of every worker's coefficients; per coefficient the mean over the workers that chose
+        it, transformed back, and its sign (step 6)."""
+        payload = self.compress(tensor, ctx)
+        self.check_payload(payload, ctx.wire_dtype(tensor), ctx.name)
+        (rows,) = yield Round([Gather(payload.parts)], last=True)
+        tiling: Tiling = payload.meta
+        received = [Payload(row.parts, payload.numel, payload.count, tiling) for row in rows]
+
+        def write(out: Tensor) -> None:
+            dtype = state_dtype(out.dtype)
+            sums = torch.zeros(tiling.tiles, tiling.tile, dtype=dtype, device=out.device)
+            chosen = torch.zeros_like(sums)
+            for item in received:
+                within, values = self._coefficients(item)
+                sums.scatter_add_(1, within, values.to(dtype))
+                chosen.scatter_add_(1, within, torch.ones_like(values, dtype=dtype))
+            result = tiling.decode(sums.div_(chosen.clamp_min_(1.0)))
+            out.copy_(result.sign_() if self.sign else result)
+
+        return Outcome(payload.count, lambda residual: self.accumulate(payload, residual, alpha=-1.0), write, payload)
+
+    # ------------------------------------------------------------------ tensors sent dense
+    def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """Every coefficient is sent: the whole momentum is averaged, and the momentum is emptied."""
+        momentum = self._momentum(tensor, ctx)
+        sent = momentum.to(tensor.dtype, copy=True)
+        ctx.commit(MOMENTUM, momentum.sub_(sent))  # zero, or what rounding to a 16-bit dtype lost
+        return sent
+
+    def finalize_dense(self, out: Tensor, ctx: CompressContext) -> None:
+        """The sign of the averaged momentum (step 7's input)."""
+        if self.sign:
+            out.sign_()
