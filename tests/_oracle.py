@@ -50,8 +50,9 @@ def expected_aggregate(exchange: SimulatedExchange, named_grads: list[list[tuple
         elif isinstance(compressor, PowerSGD):
             out[name] = _power_step(compressor, inputs, contexts)
         elif isinstance(compressor, DeMo):
-            out[name] = demo_aggregate(inputs, [ctx.state.get("momentum") for ctx in contexts], shape,
-                                       compressor.chunk, compressor.k, compressor.decay, compressor.sign)[0]
+            momenta = [demo_spatial(ctx.state.get("momentum"), shape, compressor.chunk) for ctx in contexts]
+            out[name] = demo_aggregate(inputs, momenta, shape, compressor.chunk, compressor.k, compressor.decay,
+                                       compressor.sign)[0]
         elif isinstance(compressor, SparseLoCo) and compressor.aggregate == "chosen":
             out[name] = _mean_over_choosers(compressor, inputs, contexts)
         elif isinstance(compressor, _QuantisedAllReduce):
@@ -163,16 +164,33 @@ def _divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _demo_tiles(numel: int, shape: tuple[int, ...], chunk: int) -> tuple[int, int, int, int]:
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = numel // rows
+    return rows, cols, _divisor(rows, chunk), _divisor(cols, chunk)
+
+
+def demo_spatial(state, shape: tuple[int, ...], chunk: int):
+    """DeMo's momentum from the package's state (each tile's DCT coefficients, tile after tile in row-major
+    order of the tiles), back in the parameter's own layout, flat; ``None`` stays ``None``."""
+    if state is None:
+        return None
+    rows, cols, a, b = _demo_tiles(state.numel(), shape, chunk)
+    d_a, d_b = _dct(a), _dct(b)
+    coefficients = state.double().reshape(-1, a, b)
+    out = torch.zeros(rows, cols, dtype=torch.float64)
+    for index, (y, z) in enumerate((y, z) for y in range(0, rows, a) for z in range(0, cols, b)):
+        out[y:y + a, z:z + b] = d_a.T @ coefficients[index] @ d_b
+    return out.reshape(-1)
+
+
 def demo_aggregate(inputs: list[torch.Tensor], momenta: list, shape: tuple[int, ...], chunk: int, k: int,
                    decay: float, sign: bool, lr: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """DeMo's steps 2 to 6 (and the sign) in float64, tile by tile: ``δ_w = β·δ_w + η·x_w``; per tile
     ``C = D_a·T·D_bᵀ`` of ``δ_w``, its ``k`` largest ``|C|`` chosen, removed from ``δ_w``; per coefficient
     the mean over the workers that chose it, ``D_aᵀ·M·D_b``. Returns the flat aggregate and the new
     momenta."""
-    numel = inputs[0].numel()
-    rows = shape[0] if len(shape) >= 2 else 1
-    cols = numel // rows
-    a, b = _divisor(rows, chunk), _divisor(cols, chunk)
+    rows, cols, a, b = _demo_tiles(inputs[0].numel(), shape, chunk)
     d_a, d_b = _dct(a), _dct(b)
     total = torch.zeros(rows, cols, dtype=torch.float64)
     chosen = torch.zeros(rows, cols, dtype=torch.float64)

@@ -353,3 +353,41 @@ def test_strategies_refuse_options_without_meaning_under_local_updates() -> None
         GradCompSimStrategy(local_updates="often")
     with pytest.raises(ValueError, match="`sync_every` must be an integer >= 1"):
         GradCompStrategy(local_updates=0)
+
+
+def test_the_compression_monitor_logs_each_synchronisation_without_a_collective(tmp_path, monkeypatch) -> None:
+    """Under local updates the monitor logs at the synchronisations only (nothing else was exchanged),
+    this rank's figures, without the all-reduce it uses every step otherwise."""
+    import lightning as L
+    from lightning.pytorch.loggers.logger import Logger
+
+    from lightning_gradcomp import GradCompSimStrategy
+    from lightning_gradcomp.callbacks import CompressionMonitor
+    from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+    class Recorder(Logger):
+        name, version = "recorder", 0
+        logged: list = []
+
+        def log_metrics(self, metrics, step=None):
+            if "gradcomp/bytes_sent" in metrics:
+                self.logged.append((step, metrics))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    class NoCollectives(L.Callback):
+        def on_train_start(self, trainer, module):
+            monkeypatch.setattr(trainer.strategy, "reduce", lambda *a, **k: pytest.fail("a collective while training"))
+
+    strategy = GradCompSimStrategy(workers=2, compressor="topk", local_updates=LocalUpdates(5), print_summary=False)
+    logger = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=12, logger=logger,
+                        callbacks=[NoCollectives(), CompressionMonitor(log_every_n_steps=1, layer_every_n_steps=5)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1, default_root_dir=tmp_path)
+    trainer.fit(DigitsClassifier(hidden=32), datamodule=DigitsDataModule(batch_size=32))
+    assert [step for step, _ in logger.logged] == [5, 10]
+    for _, metrics in logger.logged:
+        assert metrics["gradcomp/bytes_sent"] > 0 and 0 < metrics["gradcomp/density"] < 1
+        assert any(key.startswith("gradcomp/layer/") for key in metrics)

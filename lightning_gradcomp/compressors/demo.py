@@ -56,7 +56,9 @@ from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.core.device import state_dtype
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round
 
-#: the compressor state key of the decoupled momentum ``δ``
+#: the compressor state key of the decoupled momentum ``δ``: for a compressed tensor its DCT coefficients,
+#: ``(tiles, a·b)`` in tile order (a checkpoint taken with another ``chunk`` starts the momentum afresh);
+#: for a tensor sent dense ``δ`` itself
 MOMENTUM = "momentum"
 
 #: allowed ``value_dtype`` names
@@ -120,17 +122,27 @@ class Tiling:
         return max(1, math.ceil(math.log2(self.tile)))
 
     def encode(self, flat: Tensor) -> Tensor:
-        """DCT of every tile: ``(tiles, a·b)`` coefficients of the flat tensor."""
-        d_a, d_b = dct_matrix(self.a, flat.dtype, flat.device), dct_matrix(self.b, flat.dtype, flat.device)
-        grid = flat.view(self.rows // self.a, self.a, self.cols // self.b, self.b)
-        return torch.einsum("yhxw,Hh,Ww->yxHW", grid, d_a, d_b).reshape(self.tiles, self.tile)
+        """DCT of every tile: ``(tiles, a·b)`` coefficients of the flat tensor (two matrix products over the
+        whole tensor, then one copy into tile order)."""
+        grid_rows, grid_cols = self.rows // self.a, self.cols // self.b
+        out = flat.view(-1, self.b)
+        if self.b > 1:  # along each tile's rows: X·D_bᵀ
+            out = out @ dct_matrix(self.b, flat.dtype, flat.device).T
+        if self.a > 1:  # along each tile's columns: D_a·X
+            out = torch.matmul(dct_matrix(self.a, flat.dtype, flat.device), out.view(grid_rows, self.a, -1))
+        return out.reshape(grid_rows, self.a, grid_cols, self.b).transpose(1, 2).reshape(self.tiles, self.tile)
 
     def decode(self, coefficients: Tensor) -> Tensor:
-        """Inverse of :meth:`encode`: the flat tensor of ``(tiles, a·b)`` coefficients."""
-        d_a = dct_matrix(self.a, coefficients.dtype, coefficients.device)
-        d_b = dct_matrix(self.b, coefficients.dtype, coefficients.device)
-        grid = coefficients.view(self.rows // self.a, self.cols // self.b, self.a, self.b)
-        return torch.einsum("yxHW,Hh,Ww->yhxw", grid, d_a, d_b).reshape(-1)
+        """Inverse of :meth:`encode` (``D_aᵀ·C·D_b`` per tile): the flat tensor."""
+        grid_rows, grid_cols = self.rows // self.a, self.cols // self.b
+        out = coefficients.reshape(grid_rows, grid_cols, self.a, self.b).transpose(1, 2).reshape(
+            grid_rows, self.a, grid_cols * self.b)
+        if self.a > 1:
+            out = torch.matmul(dct_matrix(self.a, out.dtype, out.device).T, out)
+        out = out.reshape(-1, self.b)
+        if self.b > 1:
+            out = out @ dct_matrix(self.b, out.dtype, out.device)
+        return out.reshape(-1)
 
 
 class DeMo(Compressor):
@@ -193,14 +205,13 @@ class DeMo(Compressor):
         optimizer = self._optimizer() if self._optimizer is not None else None
         return 1.0 if optimizer is None else optimizer.param_groups[0]["lr"]
 
-    def _momentum(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
-        """``δ ← β·δ + η·g`` (a new tensor; fp32, fp64 for fp64 gradients)."""
-        grad = tensor.to(state_dtype(tensor.dtype))
+    def _momentum(self, update: Tensor, ctx: CompressContext) -> Tensor:
+        """``δ ← β·δ + η·update`` (a new tensor; ``update`` and the state in the same domain and shape)."""
         lr = self._learning_rate()
-        scaled = grad * lr if isinstance(lr, Tensor) or lr != 1.0 else grad
+        scaled = update * lr if isinstance(lr, Tensor) or lr != 1.0 else update
         previous = ctx.state.get(MOMENTUM)
-        if previous is None or previous.shape != grad.shape:
-            return scaled.clone() if scaled is grad else scaled
+        if previous is None or previous.shape != update.shape:
+            return scaled.clone() if scaled is update else scaled
         return torch.add(scaled, previous, alpha=self.decay)
 
     # ------------------------------------------------------------------ the wire format
@@ -232,17 +243,19 @@ class DeMo(Compressor):
 
     # ------------------------------------------------------------------ compress and decode
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        """Steps 2 to 5: the momentum, its DCT, the top-k per tile; what is sent leaves the momentum."""
+        """Steps 2 to 5 on the DCT coefficients of the momentum: ``DCT(δ) ← β·DCT(δ) + η·DCT(g)``, the
+        top-k of each tile, and what is sent leaves them (the DCT is linear and orthonormal, so this is
+        the reference's ``δ ← δ − IDCT(S)`` without transforming ``S`` back)."""
         tiling = self.tiling(tensor.numel(), ctx.shape)
-        momentum = self._momentum(tensor, ctx)
-        coefficients = tiling.encode(momentum)
+        momentum = self._momentum(tiling.encode(tensor.to(state_dtype(tensor.dtype))), ctx)
         # nan_to_num: a non-finite gradient (voided by the bucket's verdict) must still give valid indices
-        chosen = coefficients.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
-        values = coefficients.gather(1, chosen).to(self._value_dtype(ctx.wire_dtype(tensor)))
+        chosen = momentum.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
+        selected = momentum.gather(1, chosen)
+        values = selected.to(self._value_dtype(ctx.wire_dtype(tensor)), copy=True)
         payload = Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
                           tiling.count, tiling)
-        sent = torch.zeros_like(coefficients).scatter_(1, chosen, values.to(coefficients.dtype))
-        ctx.commit(MOMENTUM, momentum.sub_(tiling.decode(sent)))
+        momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))  # 0, or what rounding lost
+        ctx.commit(MOMENTUM, momentum)
         return payload
 
     def _coefficients(self, payload: Payload) -> tuple[Tensor, Tensor]:
@@ -283,7 +296,7 @@ class DeMo(Compressor):
     # ------------------------------------------------------------------ tensors sent dense
     def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
         """Every coefficient is sent: the whole momentum is averaged, and the momentum is emptied."""
-        momentum = self._momentum(tensor, ctx)
+        momentum = self._momentum(tensor.to(state_dtype(tensor.dtype)), ctx)
         sent = momentum.to(tensor.dtype, copy=True)
         ctx.commit(MOMENTUM, momentum.sub_(sent))  # zero, or what rounding to a 16-bit dtype lost
         return sent

@@ -31,3 +31,10 @@ def exchange_state(trainer: Any) -> ExchangeState:
         raise RuntimeError(f"the strategy {type(trainer.strategy).__name__} has no gradcomp exchange state (yet); "
                            "callbacks reach it from on_train_start on")
     return cast(ExchangeState, state)
+
+
+def local_update_loop(trainer: Any) -> Any:
+    """The strategy's outer loop under local updates (``local_loop`` of the DDP strategy, ``local`` of the
+    simulation), or ``None`` when gradients are exchanged every step."""
+    strategy = trainer.strategy
+    return getattr(strategy, "local_loop", None) or getattr(strategy, "local", None)

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_gradcomp.core.checks import check_int
-from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
+from lightning_gradcomp.lightning.callbacks._access import exchange_state, local_update_loop, strategy_compressor
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import NUMERIC_FIELDS, StepStats
 
@@ -48,7 +48,10 @@ class CompressionMonitor(Callback):
     density, as scalars ``gradcomp/layer/<name>/relative_error`` and ``.../density``, or as two
     TensorBoard histograms over the layers (``layer_mode="histogram"``).
 
-    The figures of all workers are averaged with one small all-reduce per logging step. The measured
+    The figures of all workers are averaged with one small all-reduce per logging step. Under local
+    updates nothing crosses the network between synchronisations, the monitor included: it logs this
+    rank's figures at every synchronisation (the step whose exchange they describe), without an
+    all-reduce, and ignores ``log_every_n_steps`` and ``layer_every_n_steps`` but for turning it off. The measured
     figures stay on the device between logging steps (no host synchronisation per step; the running
     totals still count every step). With ``log_every_n_steps=0`` the monitor is off and the hook does no
     extra work.
@@ -114,6 +117,10 @@ class CompressionMonitor(Callback):
         every, interval = self.layer_every_n_steps, self._interval(trainer)
         coming = trainer.global_step + 1  # the step this batch's optimizer step completes
         hook_state = exchange_state(trainer)
+        if local_update_loop(trainer) is not None:  # measured at every synchronisation, the only exchanges
+            hook_state.record_layers = every > 0
+            hook_state.telemetry_due = interval > 0 or every > 0
+            return
         hook_state.record_layers = every > 0 and coming % every == 0
         hook_state.telemetry_due = hook_state.record_layers or (interval > 0 and coming % interval == 0)
 
@@ -128,7 +135,13 @@ class CompressionMonitor(Callback):
         comm_s = self.network.step_time(stats.collectives, workers)  # the same collectives on every rank
         self._epoch_comm_s += comm_s
         interval = self._interval(trainer)
-        log_now = interval > 0 and step % interval == 0
+        loop = local_update_loop(trainer)
+        if loop is not None:  # this rank's figures at each synchronisation, no collective between them
+            log_now = interval > 0 and loop.synced
+            if not loop.synced:
+                return
+        else:
+            log_now = interval > 0 and step % interval == 0
         layer_names = sorted(stats.layers) if stats.layers else []
         if not log_now and not layer_names:
             return
@@ -136,7 +149,7 @@ class CompressionMonitor(Callback):
         for name in layer_names:
             layer = stats.layers[name]
             values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel]
-        averaged = trainer.strategy.reduce(
+        averaged = values if loop is not None else trainer.strategy.reduce(
             torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="mean"
         ).tolist()
         width = len(NUMERIC_FIELDS)
