@@ -21,7 +21,8 @@ Streaming DiLoCo (2 fragments, τ = 1, α = 0.5, fp4), at H = 10 and 50; the inn
 (SGD with momentum 0.9 on fashion, AdamW on text). ``demo`` compares DeMo (SGD without momentum at
 AdamW's learning rate, weight decay as AdamW's) with AdamW DDP, and with Top-k (AdamW, error feedback)
 and DGC (momentum 0.9, its SGD at the task's SGD learning rate) at the density that sends DeMo's bytes
-per step; and DeMo as the outer compressor of DiLoCo (H = 10, ``sign=False``).
+per step; and DeMo as the outer compressor of local updates (H = 10, ``sign=False``, decay 0.95, outer
+SGD at lr 1: SparseLoCo's recipe with DeMo's DCT tiles).
 
 Every setting runs once per seed (``--seeds``; the seed drives the initialisation, the data order and
 the compressors' generators) and the table reports the mean ± sample standard deviation over seeds of
@@ -155,8 +156,8 @@ def demo(task: str) -> list[Run]:
             Run("demo", "bf16 values", DeMo(value_dtype="bfloat16"), optimizer=sign_sgd),
             Run("topk", f"density {density:.4f}, AdamW", TopK(density), optimizer=adamw),
             Run("dgc", f"density {density:.4f}", DGC(density, momentum=0.9), optimizer=plain_sgd),
-            Run("demo outer", "DiLoCo H=10, sign=False", DeMo(sign=False), optimizer=adamw,
-                local_updates=LocalUpdates(10))]
+            Run("demo outer", "H=10, decay 0.95, outer SGD lr 1", DeMo(decay=0.95, sign=False), optimizer=adamw,
+                local_updates=LocalUpdates(10, outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0)))]
 
 
 def build_model(task: str, optimizer: dict) -> L.LightningModule:
@@ -221,12 +222,14 @@ def main() -> None:
     parser.add_argument("--corpus", default=DEBIAN_PYTHON_DOCS, help="text: a folder of *.txt files")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--plot", default=None, help="write accuracy against bytes to this PNG (needs matplotlib)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only the rows of these methods")
     args = parser.parse_args()
     if args.task == "text" and args.suite in ("grid", "adaptive"):
         parser.error("--task text runs the 'local' and 'demo' suites")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs = {"grid": grid, "adaptive": adaptive, "local": local, "demo": demo}[args.suite](args.task)
+    runs = [spec for spec in runs if args.only is None or spec.method in args.only]
     if args.task == "text":
         size = sum(p.numel() for p in build_model("text", OPTIMIZERS["text"]).parameters())
         print(f"# byte-level transformer ({size} parameters) on {args.corpus}, {args.workers} simulated workers x "

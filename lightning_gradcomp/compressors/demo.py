@@ -31,6 +31,12 @@ columns; a 1-D tensor of ``n`` elements is one row of tiles of ``1 × b``. The t
 ``D_a · T · D_bᵀ`` with the orthonormal DCT-II matrix ``D_n[i, j] = s_i · cos(π·(2j + 1)·i / (2n))``,
 ``s_0 = √(1/n)``, ``s_i = √(2/n)``.
 
+The momentum of a compressed tensor is kept as its DCT coefficients: steps 2 to 5 become
+``X ← β·X + η·DCT(g)``, the top-k of each tile of ``X``, ``X ← X − S``. The DCT is linear and orthonormal,
+so this is the reference's ``δ`` exactly (up to rounding), with two transforms per step (``DCT(g)`` and
+the aggregate's inverse) where the reference takes three (it also transforms ``S`` back). Each transform
+is two matrix products over the whole tensor.
+
 Wire: per tile, ``min(k, a·b)`` indices in ``⌈log₂(a·b)⌉`` bits (12 for a 64 × 64 tile), bit-packed, and the
 values in the gradient's dtype or in ``value_dtype``. The momentum keeps what rounding to that dtype lost.
 For a 64 × 64 tile with fp32 values that is 32·(12 + 32)/8 = 176 bytes for 16 KiB: 93x fewer bytes than
