@@ -44,6 +44,10 @@ fp32; with bf16 values 146x.
 
 Tensors the strategy sends dense (fewer than ``min_compress_numel`` elements) take DeMo with every
 coefficient sent: ``δ ← β·δ + η·g`` is averaged whole and its sign handed on, ``δ ← 0``.
+
+As the outer compressor of local updates (the outer gradient in place of ``g``), use ``sign=False``, a
+shorter memory (``decay=0.95``) and plain outer SGD at lr 1, as SparseLoCo does: an outer optimizer with a
+momentum of its own compounds with DeMo's.
 """
 
 from __future__ import annotations
