@@ -5,7 +5,7 @@
 
 ``--task fashion`` (default): Fashion-MNIST (offline: ``apt-get install dataset-fashion-mnist``), a
 784-256-128-10 MLP, ``workers`` workers simulated on one device (Harris 2020, §3.2) with batch 64 per
-worker, SGD. ``--task text``: a byte-level transformer (2 blocks of width 128, context 64, about 0.46M
+worker, SGD. ``--task text``: a byte-level transformer (2 blocks of width 128, context 64, about 0.47M
 parameters) on every ``*.txt`` file under ``--corpus`` (default: Debian's Python documentation,
 ``apt-get install python3.11-doc``), batch 8 windows per worker, AdamW (lr 1e-3, betas 0.9/0.95),
 ``--steps`` optimizer steps; it reports the validation loss in nats per byte (lower is better).

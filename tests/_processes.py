@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -49,8 +50,9 @@ def run_gloo(fn: Callable[..., None], world_size: int = 2, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` real processes joined by a gloo group.
 
     The processes are forked from a fork server that has the package imported and has run nothing
-    (fresh processes, as with spawn, without the interpreter start-up). ``fn`` must be importable
-    (module level). An assertion failing in any rank fails the test.
+    (fresh processes, as with spawn, without the interpreter start-up; their environment is the test
+    process's when the fork server started). ``fn`` must be importable (module level). An assertion
+    failing in any rank fails the test.
     """
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     mp.start_processes(_gloo_entry, args=(world_size, free_port(), fn, args), nprocs=world_size,
@@ -96,7 +98,9 @@ class ScriptRun:
     def __init__(self, script: "Path | str", args: list[str], cwd: Path, env: dict[str, str]) -> None:
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
         self.command = [str(script), *args]
-        self.log = cwd / f".script.{free_port()}.log"
+        handle, log = tempfile.mkstemp(prefix=".script.", suffix=".log", dir=cwd)
+        os.close(handle)
+        self.log = Path(log)
         self.process = multiprocessing.get_context("forkserver").Process(
             target=_script_main, args=(str(script), list(args), str(cwd), env, str(self.log)))
         self.process.start()
