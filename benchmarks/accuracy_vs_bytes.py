@@ -69,6 +69,7 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.local import LocalUpdates
 from lightning_gradcomp.examples.text import DEBIAN_PYTHON_DOCS, ByteTransformer, TextCorpusDataModule
 from lightning_gradcomp.examples.vision import FashionMNISTDataModule, ImageClassifier
+from lightning_gradcomp.core.tensors import itemsize
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import GradCompSimStrategy
 
@@ -139,8 +140,8 @@ def equal_bytes_density(model: torch.nn.Module, compressor) -> float:
     sent, numel = 0, 0
     for parameter in model.parameters():
         if parameter.numel() >= MIN_COMPRESS_NUMEL:
-            fmt = compressor.wire_format(tuple(parameter.shape), torch.float32)
-            sent += sum(count * torch.empty((), dtype=dtype).element_size() for rounds in fmt for dtype, count in rounds)
+            rounds = compressor.wire_format(tuple(parameter.shape), torch.float32)
+            sent += sum(count * itemsize(dtype) for requests in rounds for dtype, count in requests)
             numel += parameter.numel()
     return sent / (8 * numel)
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +72,7 @@ def _script_main(script: str, argv: list[str], cwd: str, env: dict[str, str], lo
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.close(fd)
     sys.argv = [script, *argv]
     code = 0
     try:
@@ -80,6 +82,8 @@ def _script_main(script: str, argv: list[str], cwd: str, env: dict[str, str], lo
         else:  # python -m script
             runpy.run_module(script, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
+        if stop.code is not None and not isinstance(stop.code, int):  # sys.exit("message"), as Python prints it
+            print(stop.code, file=sys.stderr)
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported through the log and the exit code
         traceback.print_exc()
@@ -106,13 +110,35 @@ class ScriptRun:
         self.process.start()
 
     def wait(self, timeout: float) -> tuple[int, str]:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.join()
-            raise subprocess.TimeoutExpired(self.command, timeout, self.log.read_text(errors="replace"))
-        return self.process.exitcode, self.log.read_text(errors="replace")
+        """Wait for the script and every process it started (Lightning's other ranks write their results
+        after rank 0 may have exited), at most ``timeout`` seconds; whatever is left then, or when waiting
+        is interrupted, is killed."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self.process.exitcode is None or self._group_alive():
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(self.command, timeout, self.log.read_text(errors="replace"))
+                self.process.join(0.05)
+                if self.process.exitcode is not None:
+                    time.sleep(0.05)
+        finally:
+            self.kill()
+        output = self.log.read_text(errors="replace")
+        self.log.unlink(missing_ok=True)
+        return self.process.exitcode, output
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """End the script and every process it started (nothing when they have all ended)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.join()
 
 
 def run_script(script: "Path | str", args: list[str], cwd: Path, env: dict[str, str],

@@ -39,6 +39,8 @@ def test_two_workers_match_the_float64_reference_of_the_seven_steps(sign: bool) 
     exchange = SimulatedExchange(compressor, 2, min_compress_numel=0)
     momenta: dict[str, list] = {name: [None, None] for name in SHAPES}
     for step in range(4):
+        lr = 0.01 * (1 - 0.2 * step)  # a schedule: step 2 weighs each gradient by its step's learning rate
+        optimizer.param_groups[0]["lr"] = lr
         reference = {name: p.detach().double().clone() for name, p in params.items()}
         grads = [_gradients({n: p.detach() for n, p in params.items()}, worker, step) for worker in range(2)]
         for worker in range(2):
@@ -106,12 +108,15 @@ def test_a_tensor_sent_dense_steps_along_the_sign_of_the_averaged_momentum() -> 
 @pytest.mark.parametrize("optimizer,match", [
     (lambda p: torch.optim.AdamW(p), r"keeps moments \(betas=\(0.9, 0.999\), param group 0\)"),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "applies momentum=0.9 too"),
+    (lambda p: torch.optim.RMSprop(p), "but the optimizer is RMSprop; allowed: torch.optim.SGD with momentum=0"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), "param group 0 has maximize=True"),
 ])
 def test_an_optimizer_with_momentum_of_its_own_is_refused(optimizer, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DeMo().check_optimizer(optimizer([torch.nn.Parameter(torch.zeros(3))]))
 
 
+@pytest.mark.filterwarnings("ignore:DeMo. parameter 'w'")  # every coefficient sent, on purpose
 def test_the_learning_rate_of_step_two_follows_the_optimizer() -> None:
     """δ ← β·δ + η_t·g with η_t read at every step (a schedule), η = 1 before binding."""
     compressor = DeMo(decay=0.5, chunk=8, k=64)  # every coefficient sent: δ is emptied each step
@@ -217,3 +222,33 @@ def test_the_byte_transformer_learns_a_text_folder_with_demo(tmp_path) -> None:
                         callbacks=[Record()], limit_val_batches=0)
     trainer.fit(model, datamodule=data)
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+def test_a_value_beyond_float16_stays_in_the_momentum() -> None:
+    """With fp16 values a coefficient beyond 65504 is sent as 65504 and the rest stays in the momentum
+    (error feedback), instead of inf poisoning it."""
+    exchange = SimulatedExchange(DeMo(chunk=8, k=4, value_dtype="float16", sign=False), 1, min_compress_numel=0)
+    exchange.add_worker(0, [("w", torch.full((8, 8), 1e4))])  # one 8 x 8 tile; its DC coefficient: 8e4
+    aggregate = exchange.finish_step()["w"]
+    momentum = exchange.pipelines[0].memory.states["w"][MOMENTUM]
+    assert torch.isfinite(aggregate).all() and torch.isfinite(momentum).all()
+    assert momentum.abs().max() == pytest.approx(8e4 - 65504, rel=1e-4)
+
+
+def test_tiles_too_small_to_compress_are_named_in_a_warning() -> None:
+    exchange = SimulatedExchange(DeMo(), 1, min_compress_numel=0)
+    with pytest.warns(RuntimeWarning, match=r"parameter 'w' of shape \(67, 67\) is cut into tiles of 1 x 1"):
+        exchange.add_worker(0, [("w", torch.randn(67, 67))])
+    exchange.finish_step()
+
+
+def test_telemetry_counts_what_stays_in_the_momentum_as_the_error() -> None:
+    exchange = SimulatedExchange(DeMo(chunk=16, k=4, sign=False), 1, min_compress_numel=0)
+    exchange.telemetry = True
+    g = torch.randn(64, 64)
+    exchange.add_worker(0, [("w", g.clone())])
+    exchange.finish_step()
+    exchange.read_measurements()
+    momentum = exchange.pipelines[0].memory.states["w"][MOMENTUM]
+    assert exchange.totals.error_sq == pytest.approx(float(momentum.double().pow(2).sum()), rel=1e-5)
+    assert exchange.totals.grad_sq == pytest.approx(float(g.double().pow(2).sum()), rel=1e-5)  # orthonormal

@@ -59,7 +59,11 @@ def test_lightning_two_nodes_of_two_processes_train_hierarchically(tmp_path) -> 
             "--epochs", "2", "--save", str(ckpt)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     nodes = [ScriptRun(SCRIPTS / "train_digits.py", args, tmp_path, dict(env, NODE_RANK=str(node))) for node in range(2)]
-    finished = [node.wait(timeout=400) for node in nodes]
+    try:
+        finished = [node.wait(timeout=400) for node in nodes]
+    finally:
+        for node in nodes:  # a node left waiting for a failed one
+            node.kill()
     assert all(code == 0 for code, _ in finished), "\n".join(output[-3000:] for _, output in finished)
     ranks = [torch.load(tmp_path / f"hier.rank{rank}.pt", weights_only=False) for rank in range(4)]
     steps = 2 * 11  # 1348 training images / 4 ranks / batch 32, rounded up

@@ -53,6 +53,7 @@ momentum of its own compounds with DeMo's.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,7 +62,14 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, check_bool, check_int
+from lightning_gradcomp.compressors.base import (
+    CompressContext,
+    Compressor,
+    Payload,
+    check_bool,
+    check_int,
+    squared_norm,
+)
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.core.device import state_dtype
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round
@@ -186,6 +194,7 @@ class DeMo(Compressor):
                              f"got {value_dtype!r}")
         self.value_dtype = value_dtype
         self._optimizer: Optional[weakref.ReferenceType] = None
+        self._warned: set[str] = set()  # parameters whose tiles are too small to compress (warned once)
 
     def hparams(self) -> dict[str, Any]:
         return {"chunk": self.chunk, "k": self.k, "decay": self.decay, "sign": self.sign,
@@ -196,18 +205,24 @@ class DeMo(Compressor):
 
     # ------------------------------------------------------------------ the optimizer
     def check_optimizer(self, optimizer: Any) -> None:
-        """Refuse an optimizer that keeps a momentum or moments of its own (DeMo's momentum replaces
-        them, and step 7 is plain SGD), then read the learning rate of step 2 from it."""
+        """Refuse an optimizer other than plain SGD (DeMo's momentum replaces any momentum or moments, and
+        step 7 is SGD's step), then read the learning rate of step 2 from it."""
+        allowed = "allowed: torch.optim.SGD with momentum=0 (weight_decay gives DeMo's decoupled weight decay)"
         for index, group in enumerate(optimizer.param_groups):
             if "betas" in group:
                 raise ValueError(
                     f"DeMo holds the momentum and steps along a sign, but {type(optimizer).__name__} keeps moments "
-                    f"(betas={tuple(group['betas'])}, param group {index}); allowed: torch.optim.SGD with "
-                    "momentum=0 (weight_decay gives DeMo's decoupled weight decay)")
+                    f"(betas={tuple(group['betas'])}, param group {index}); {allowed}")
             if group.get("momentum", 0):
                 raise ValueError(
                     f"DeMo holds the momentum, but {type(optimizer).__name__} applies momentum={group['momentum']} "
-                    f"too (param group {index}); allowed: momentum=0 (plain SGD)")
+                    f"too (param group {index}); {allowed}")
+            if group.get("maximize", False):
+                raise ValueError(f"DeMo steps against its aggregate, but param group {index} has maximize=True; "
+                                 f"{allowed}")
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(f"DeMo's step is SGD's along the sign of the aggregate, but the optimizer is "
+                             f"{type(optimizer).__name__}; {allowed}")
         self._optimizer = weakref.ref(optimizer)
 
     def _learning_rate(self) -> Any:
@@ -257,11 +272,22 @@ class DeMo(Compressor):
         top-k of each tile, and what is sent leaves them (the DCT is linear and orthonormal, so this is
         the reference's ``δ ← δ − IDCT(S)`` without transforming ``S`` back)."""
         tiling = self.tiling(tensor.numel(), ctx.shape)
+        if tiling.k == tiling.tile and ctx.name not in self._warned:  # e.g. a prime dimension: 1-wide tiles
+            self._warned.add(ctx.name)
+            warnings.warn(f"DeMo: parameter {ctx.name!r} of shape {tuple(ctx.shape)} is cut into tiles of "
+                          f"{tiling.a} x {tiling.b} (the largest divisors of its dimensions up to chunk={self.chunk}), "
+                          f"and k={self.k} sends every coefficient with its index: more bytes than sending it dense; "
+                          "pad the dimension, lower k, or raise min_compress_numel above its size",
+                          RuntimeWarning, stacklevel=2)
         momentum = self._momentum(tiling.encode(tensor.to(state_dtype(tensor.dtype))), ctx)
         # nan_to_num: a non-finite gradient (voided by the bucket's verdict) must still give valid indices
         chosen = momentum.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
         selected = momentum.gather(1, chosen)
-        values = selected.to(self._value_dtype(ctx.wire_dtype(tensor)), copy=True)
+        wire = self._value_dtype(ctx.wire_dtype(tensor))
+        if torch.finfo(wire).max < torch.finfo(selected.dtype).max:  # fp16: what overflows stays in δ, not inf
+            values = selected.clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
+        else:
+            values = selected.to(wire, copy=True)
         payload = Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
                           tiling.count, tiling)
         momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))  # 0, or what rounding lost
@@ -273,6 +299,15 @@ class DeMo(Compressor):
         tiling: Tiling = payload.meta
         within = unpack(payload.parts[0], tiling.index_bits, tiling.count).view(tiling.tiles, tiling.k)
         return within, payload.parts[1].view(tiling.tiles, tiling.k)
+
+    def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
+        """``(‖X_{t+1}‖², ‖X_{t+1}‖² + ‖S‖²)``: the momentum's coefficients left behind are DeMo's compression
+        error, and with the sent ones they are what was compressed (the DCT is orthonormal, so these are
+        also the norms of ``δ``)."""
+        sent = squared_norm(outcome.payload.parts[1].float())
+        momentum = ctx.state.get(MOMENTUM)
+        error = squared_norm(momentum) if momentum is not None else torch.zeros_like(sent)
+        return error, error + sent
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         tiling: Tiling = payload.meta

@@ -40,6 +40,9 @@ def read_corpus(directory: str, max_bytes: Optional[int] = None) -> Tensor:
             break
     if max_bytes is not None:
         del data[max_bytes:]
+    if len(data) < 2:
+        raise ValueError(f"`corpus`: the *.txt files under {str(root)!r} hold {len(data)} bytes; a language model "
+                         "needs text")
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
