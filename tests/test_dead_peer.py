@@ -6,13 +6,11 @@ only collective is the all-gather) and the int8 quantised all-reduce (an all-to-
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._processes import free_port
+from tests._processes import ScriptRun, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,30 +29,28 @@ LOCAL_CASES = [("topk", "all_gather", "kill")]
 
 @pytest.mark.parametrize("compressor,collective,fault,thread", CASES)
 def test_a_failed_peer_is_an_error_naming_the_collective(compressor: str, collective: str, fault: str,
-                                                         thread: bool) -> None:
-    _check_failure(compressor, collective, fault, ["--thread"] if thread else [])
+                                                         thread: bool, tmp_path: Path) -> None:
+    _check_failure(compressor, collective, fault, ["--thread"] if thread else [], tmp_path)
 
 
 @pytest.mark.parametrize("compressor,collective,fault", LOCAL_CASES)
-def test_a_peer_dead_at_an_outer_synchronisation_is_an_error(compressor: str, collective: str, fault: str) -> None:
-    _check_failure(compressor, collective, fault, ["--local", "2"])
+def test_a_peer_dead_at_an_outer_synchronisation_is_an_error(compressor: str, collective: str, fault: str,
+                                                             tmp_path: Path) -> None:
+    _check_failure(compressor, collective, fault, ["--local", "2"], tmp_path)
 
 
-def _check_failure(compressor: str, collective: str, fault: str, extra: list[str]) -> None:
+def _check_failure(compressor: str, collective: str, fault: str, extra: list[str], cwd: Path) -> None:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--rank", str(rank), "--port", str(port),
-                               "--compressor", compressor, "--fault", fault, "--timeout", str(TIMEOUT),
-                               "--min-compress-numel", "0", *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ranks = [ScriptRun(SCRIPT, ["--rank", str(rank), "--port", str(port), "--compressor", compressor, "--fault", fault,
+                                "--timeout", str(TIMEOUT), "--min-compress-numel", "0", *extra], cwd, env)
              for rank in range(2)]
     try:
-        output = procs[0].communicate(timeout=120)[0]
+        code, output = ranks[0].wait(timeout=120)
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-    assert procs[0].returncode == 3, output[-3000:]
+        for rank in ranks:
+            rank.kill()
+    assert code == 3, output[-3000:]
     line = next(line for line in output.splitlines() if line.startswith("FAILED"))
     seconds = float(line.split()[1])
     assert f"gradcomp: {collective}" in line and "failed on rank 0 of 2" in line, line
