@@ -79,8 +79,8 @@ MIN_COMPRESS_NUMEL = 1024
 #: the base optimizer of each task (AdamW's learning rate is also DeMo's) and the SGD of DGC
 OPTIMIZERS = {"fashion": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
               "text": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0}}
-ADAMW_LR = 1e-3
-SGD_LR = {"fashion": 0.05, "text": 0.1}
+ADAMW_LR = OPTIMIZERS["text"]["lr"]
+SGD_LR = {"fashion": OPTIMIZERS["fashion"]["lr"], "text": 0.1}
 
 
 @dataclass
