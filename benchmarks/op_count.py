@@ -1,10 +1,10 @@
 """ATen operations per bucket: one worker's compress + exchange + decode of a bucket of P tensors.
 
-    python benchmarks/op_count.py [--tensors 1 10 100] [--cpu-path]
+    python benchmarks/op_count.py [--tensors 1 10 100] [--workers 2] [--cpu-path]
 
 Counts non-view ATen calls (views, slices, reshapes and detaches launch no kernel and are not counted)
-made by worker 0's exchange engine for one bucket of P tensors of 128 x 128 elements, two workers, in
-process (tests/_op_count.py; the collectives themselves are the driver's and not counted). By default
+made by worker 0's exchange engine for one bucket of P tensors of 128 x 128 elements, two workers (or
+``--workers``), in process (tests/_op_count.py; the collectives themselves are the driver's and not counted). By default
 along the accelerator path, the code a GPU runs (no host reads; compressors that can compress a whole
 bucket at once do so); ``--cpu-path`` counts the CPU path. On a GPU each op is at least one kernel
 launch, 5-10 µs of host time: the issue's budget is 40 + 3·P.
@@ -24,13 +24,14 @@ from lightning_gradcomp.compressors import COMPRESSORS  # noqa: E402
 from tests._op_count import bound, count_bucket_ops  # noqa: E402
 
 #: The compressors of the issue's budget, then the others.
-ORDER = ["topk", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd", "int8", "int4", "fp8", "powersgd",
+ORDER = ["topk", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd", "int8", "int4", "fp8", "fp4", "powersgd",
          "fp16", "bf16", "none", "randomk", "threshold"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--workers", type=int, default=2, help="simulated workers (the count should not depend on it)")
     parser.add_argument("--cpu-path", action="store_true", help="count the CPU path instead")
     args = parser.parse_args()
     names = [name for name in ORDER if name in COMPRESSORS] + sorted(set(COMPRESSORS) - set(ORDER))
@@ -40,7 +41,8 @@ def main() -> None:
     for name in names:
         cells = []
         for count in args.tensors:
-            total = sum(count_bucket_ops(COMPRESSORS[name], count, accelerator=not args.cpu_path).ops.values())
+            total = sum(count_bucket_ops(COMPRESSORS[name], count, accelerator=not args.cpu_path,
+                                         workers=args.workers).ops.values())
             cells.append(f"{total}" + (" **over**" if total > bound(count) else ""))
         segmented = COMPRESSORS[name]().segment_alignment(torch.device("cuda")) is not None
         print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} |")

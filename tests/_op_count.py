@@ -55,12 +55,12 @@ def _counted(protocol: Generator, counter: OpCounter) -> Generator:
 
 def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 3, accelerator: bool = True,
                      error_feedback: Optional[bool] = None, seed: int = 0,
-                     shape: tuple[int, ...] = SHAPE, dense_tensors: int = 0) -> OpCounter:
+                     shape: tuple[int, ...] = SHAPE, dense_tensors: int = 0, workers: int = 2) -> OpCounter:
     """Worker 0's ops for the last of ``steps`` steps of a bucket of ``tensors`` tensors of ``shape``
-    and ``dense_tensors`` tensors of 512 elements, below the size threshold (biases: sent dense; two
-    workers, the compressor's default error feedback, telemetry off)."""
-    exchange = SimulatedExchange(make(), workers=2, error_feedback=error_feedback, min_compress_numel=1024,
-                                 seed=seed)
+    and ``dense_tensors`` tensors of 512 elements, below the size threshold (biases: sent dense;
+    ``workers`` workers, the compressor's default error feedback, telemetry off)."""
+    exchange = SimulatedExchange(make(), workers=workers, error_feedback=error_feedback,
+                                 min_compress_numel=1024, seed=seed)
     exchange.telemetry_due = False
     generator = torch.Generator().manual_seed(seed)
     names = [f"layer{index:03d}.weight" for index in range(tensors)]
@@ -69,7 +69,7 @@ def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 
     counter = OpCounter()
     bucket: Callable = ExchangeEngine.bucket
     for step in range(steps):
-        grads = [[(name, torch.randn(shapes[name], generator=generator)) for name in names] for _ in range(2)]
+        grads = [[(name, torch.randn(shapes[name], generator=generator)) for name in names] for _ in range(workers)]
         last = step == steps - 1
         engine = exchange.engines[0]
 
@@ -82,7 +82,7 @@ def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 
             if last:
                 ExchangeEngine.bucket = counted_bucket  # type: ignore[method-assign]
                 stack.callback(setattr, ExchangeEngine, "bucket", bucket)
-            for worker in range(2):
+            for worker in range(workers):
                 exchange.add_worker(worker, grads[worker])
             exchange.finish_step()
     return counter

@@ -1,4 +1,4 @@
-"""Quantised all-reduce (int8, int4, fp8): the average it returns, error feedback on both quantisations,
+"""Quantised all-reduce (int8, int4, fp8, fp4): the average it returns, error feedback on both quantisations,
 and bytes on the wire that stay flat in the number of workers while gathered compressors grow."""
 
 from __future__ import annotations
@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import QSGD, FP8AllReduce, Int4AllReduce, Int8AllReduce
+from lightning_gradcomp.compressors import QSGD, FP4AllReduce, FP8AllReduce, Int4AllReduce, Int8AllReduce
 from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import SimulatedExchange
 
 #: Relative error of one step's average for Gaussian gradients (block size 256): about half a code step.
-ONE_STEP_ERROR = {"int8": 0.02, "int4": 0.3, "fp8": 0.08}
-MAKERS = {"int8": Int8AllReduce, "int4": Int4AllReduce, "fp8": FP8AllReduce}
+ONE_STEP_ERROR = {"int8": 0.02, "int4": 0.3, "fp8": 0.08, "fp4": 0.3, "fp4-e2m1": 0.3}
+MAKERS = {"int8": Int8AllReduce, "int4": Int4AllReduce, "fp8": FP8AllReduce, "fp4": FP4AllReduce,
+          "fp4-e2m1": lambda: FP4AllReduce(format="e2m1")}
 
 
 def _grads(workers: int, step: int, numel: int = 5000) -> list[torch.Tensor]:
@@ -90,3 +91,42 @@ def test_fp8_formats_and_bad_arguments() -> None:
         FP8AllReduce(format="e3m4")
     with pytest.raises(ValueError, match="`block_size` must be an integer >= 1"):
         Int8AllReduce(block_size=0)
+
+
+@pytest.mark.parametrize("format,values", [
+    ("e2m1", (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)),
+    ("e3m0", (0.0, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)),
+])
+def test_fp4_rounds_to_the_nearest_value_ties_to_the_even_magnitude_and_keeps_signs(format: str, values) -> None:
+    """Every midpoint between neighbouring values (a tie) goes to the value of even magnitude index, every
+    value next to a midpoint to its nearest value, on both sides of zero; tiny negatives decode as
+    ``-0.0`` (``-0.0`` itself equals 0: ``+0.0``). The block's peak (``F``, the format's largest value) fixes the scale at 1."""
+    compressor = FP4AllReduce(format=format, block_size=8)
+    top = values[-1]
+    probes, expected = [], []
+    for index in range(len(values) - 1):
+        low, high = values[index], values[index + 1]
+        middle = torch.tensor((low + high) / 2)
+        even = low if index % 2 == 0 else high
+        for value, want in ((middle, even), (torch.nextafter(middle, torch.tensor(0.0)), low),
+                            (torch.nextafter(middle, torch.tensor(10.0)), high)):
+            probes += [float(value), -float(value)]
+            expected += [want, -want]
+    probes += [-0.0, -1e-30, 1e-30]
+    expected += [0.0, -0.0, 0.0]
+    blocks = torch.tensor(probes)
+    blocks = torch.cat([blocks, torch.zeros(-blocks.numel() % 7)]).view(-1, 7)
+    blocks = torch.cat([torch.full((blocks.shape[0], 1), top), blocks], dim=1)  # each block's peak: F
+    decoded = compressor._decode(*compressor._encode(blocks))[:, 1:].reshape(-1)[: len(probes)]
+    assert decoded.tolist() == expected
+    assert torch.equal(torch.signbit(decoded), torch.signbit(torch.tensor(expected)))
+    codes, scales, sent = compressor._quantise_rows(blocks.view(1, -1, 8))  # the bucket-wise codec agrees
+    assert torch.equal(compressor._dequantise_rows(codes, scales).view(-1, 8), compressor._decode(
+        *compressor._encode(blocks)))
+    assert torch.equal(sent().view(-1, 8), compressor._decode(*compressor._encode(blocks)))
+
+
+def test_fp4_formats_and_bad_arguments() -> None:
+    assert FP4AllReduce(format="e2m1").code_max == 6.0
+    with pytest.raises(ValueError, match="`format` must be 'e3m0' or 'e2m1'"):
+        FP4AllReduce(format="e4m3")

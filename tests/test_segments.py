@@ -40,6 +40,11 @@ SEGMENTED = [
     ("int8-no-owner-feedback", lambda: COMPRESSORS["int8"](block_size=64, owner_error_feedback=False)),
     ("int4", lambda: COMPRESSORS["int4"]()),
     ("fp8-e5m2", lambda: COMPRESSORS["fp8"](format="e5m2", block_size=32)),
+    ("fp8", lambda: COMPRESSORS["fp8"]()),
+    ("fp4", lambda: COMPRESSORS["fp4"]()),
+    ("fp4-e2m1-no-owner-feedback", lambda: COMPRESSORS["fp4"](format="e2m1", block_size=64,
+                                                               owner_error_feedback=False)),
+    ("int4-blocks-of-6", lambda: COMPRESSORS["int4"](block_size=6)),
     ("powersgd", lambda: COMPRESSORS["powersgd"]()),
     ("powersgd-rank-4-cold-late", lambda: COMPRESSORS["powersgd"](rank=4, warm_start=False, start_step=2)),
     ("none", lambda: COMPRESSORS["none"]()),
@@ -151,7 +156,8 @@ def test_a_checkpoint_taken_from_flat_buffers_resumes_either_way(label: str, mak
     _assert_same(expected, actual, f"{label} resumed on the CPU path")
 
 
-OP_BUDGET = ["topk", "dgc", "qsgd", "terngrad", "efsignsgd", "signsgd", "powersgd", "none", "fp16", "bf16"]
+OP_BUDGET = ["topk", "dgc", "qsgd", "terngrad", "efsignsgd", "signsgd", "int8", "powersgd", "none", "fp16",
+             "bf16"]
 
 
 @pytest.mark.parametrize("name", OP_BUDGET)
@@ -166,15 +172,25 @@ def test_a_bucket_costs_at_most_40_plus_3_ops_per_tensor(name: str, tensors: int
     assert total <= bound(tensors), f"{name}, P={tensors}: {total} ops > {bound(tensors)}: {dict(counted.ops)}"
 
 
-@pytest.mark.parametrize("name,ceiling", [("int8", 43), ("fp8", 47), ("int4", 67)])
-def test_the_quantised_all_reduce_costs_the_same_for_any_number_of_tensors(name: str, ceiling: int) -> None:
-    # (tensors of 128 x 128: whole blocks for both workers' chunks)
-    """The quantised all-reduce quantises twice and decodes four times per bucket: its count does not
-    grow with P (within the budget from P = 10), but at P = 1 only int8 is within 40 + 3 (43 here, 44 when
-    a tensor's chunks need padding to whole blocks; fp8 47, int4 67: fusing each codec's element-wise
-    chain is the way down). Checked here: no per-tensor op, and no regression past today's counts."""
+@pytest.mark.parametrize("name,ceiling", [("fp8", 45), ("int4", 49), ("fp4", 51)])
+def test_the_other_quantised_codecs_cost_the_same_for_any_number_of_tensors(name: str, ceiling: int) -> None:
+    """The quantised all-reduce quantises twice and decodes twice per bucket whatever P: int8 is within
+    40 + 3·P everywhere (above); fp8, int4 and fp4 need a few more element-wise operations per codec
+    (a conversion, a table lookup, the packing of nibbles): within the budget from P = 10, over it at
+    P = 1 by a few (fusing each codec's element-wise chain on a GPU is the way down). Checked here: no
+    per-tensor op, and no regression past today's counts (one less at P = 1: one tensor's finiteness
+    needs no stack)."""
     counts = [sum(count_bucket_ops(lambda: _default(name), tensors).ops.values()) for tensors in (1, 10, 100)]
-    assert counts[0] == counts[1] == counts[2] <= ceiling, counts
+    assert counts[0] + 1 == counts[1] == counts[2] <= ceiling, counts
+    assert counts[1] <= bound(10)
+
+
+@pytest.mark.parametrize("name", ["topk", "int8", "signsgd"])
+def test_a_bucket_costs_the_same_ops_for_any_number_of_workers(name: str) -> None:
+    """Nothing is done once per worker: the received rows are read as one strided view and the workers'
+    verdict flags summed by one reduction (8 workers on one GPU node: no 7 additions per bucket)."""
+    counts = [sum(count_bucket_ops(lambda: _default(name), 10, workers=workers).ops.values()) for workers in (2, 8)]
+    assert counts[0] == counts[1], counts
 
 
 @pytest.mark.parametrize("name", ["dgc", "fp16", "topk", "qsgd"])

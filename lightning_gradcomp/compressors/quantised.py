@@ -26,7 +26,7 @@ checkpointed compressor state; restarted when the number of workers changes).
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from lightning_gradcomp.compressors.base import (
     check_bool,
     check_int,
 )
-from lightning_gradcomp.compressors.bitpack import pack, pack_grouped, packed_nbytes, unpack, unpack_grouped
+from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.compressors.selection import peak_magnitudes
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import (
@@ -60,6 +60,8 @@ class _QuantisedAllReduce(Compressor):
 
     #: Largest code magnitude: a block's values are scaled so that its peak maps to it.
     code_max: float = 127.0
+    #: Codes in one byte of the bucket-wise format (2 for the 4-bit codecs).
+    _codes_per_byte: int = 1
 
     def __init__(self, block_size: int = 256, owner_error_feedback: bool = True) -> None:
         self.block_size = check_int(block_size, "block_size", 1)
@@ -140,24 +142,29 @@ class _QuantisedAllReduce(Compressor):
 
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`_encode` of ``(..., blocks, block_size)`` blocks: ``(codes (..., bytes), scales (..., blocks))``
-        with the codes of every leading index packed on their own (the bucket-wise format)."""
-        codes, scales = self._encode(blocks.reshape(-1, self.block_size))
-        return codes.view(*blocks.shape[:-2], -1), scales.view(*blocks.shape[:-1])
+    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+        """The bucket-wise codec of ``(..., blocks, block_size)`` fp32 blocks: ``(codes (..., bytes) uint8,
+        scales (..., blocks), dequantised)``, the codes of every leading index packed on their own, and
+        ``dequantised()`` the values the codes stand for, ``Q(x)`` (computed on demand from what encoding
+        already has, without decoding the bytes). The same values as :meth:`_encode` / :meth:`_decode`."""
+        raise NotImplementedError
 
-    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
-        """Inverse of :meth:`_encode_rows`: ``(..., blocks, block_size)`` fp32 (``codes`` may be a strided
-        view whose last dimension is contiguous)."""
-        values = codes.view(self._code_dtype).view(*scales.shape, self.block_size).to(torch.float32)
-        return values.mul_(scales.unsqueeze(-1))
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """Inverse of :meth:`_quantise_rows`' bytes: ``(..., blocks, block_size)`` fp32 (``codes`` may be a
+        strided view whose last dimension is contiguous)."""
+        raise NotImplementedError
+
+    def _block_scales(self, blocks: Tensor) -> Tensor:
+        """:meth:`_scales` of ``(..., blocks, block_size)`` blocks, shaped ``(..., blocks)``."""
+        return self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """The flat buffer as it is (alignment 1) on accelerators, for the built-in codecs (a subclass may
-        change the codec: it stays per tensor); per tensor on the CPU."""
-        if host_reads_allowed(device) or type(self) not in (Int8AllReduce, Int4AllReduce, FP8AllReduce):
+        change the codec: it stays per tensor) and, for 4-bit codes, blocks of an even size; per tensor on
+        the CPU."""
+        if host_reads_allowed(device) or type(self) not in (Int8AllReduce, Int4AllReduce, FP8AllReduce, FP4AllReduce):
             return None
-        return 1
+        return 1 if self.block_size % self._codes_per_byte == 0 else None  # a byte never spans two chunks
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
@@ -171,27 +178,26 @@ class _QuantisedAllReduce(Compressor):
         if plan.keep is not None:  # chunks padded to whole blocks: zeros there
             own.mul_(plan.keep)
         own = own.view(workers, -1, self.block_size)
-        codes, scales = self._encode_rows(own)
+        codes, scales, sent = self._quantise_rows(own)
         (versions,) = yield Round([AllToAll([(codes[c], scales[c]) for c in range(workers)])])
 
-        received = self._decode_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
+        received = self._dequantise_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
         mean = received.mean(dim=0)
         previous = state.get(OWNER_RESIDUAL, plan.owner_layout) if self.owner_error_feedback else None
         if previous is not None:
             mean.add_(previous.view(mean.shape))
-        owner_codes, owner_scales = self._encode_rows(mean)
-        owner_residual = mean.sub_(self._decode_rows(owner_codes, owner_scales)) if self.owner_error_feedback else None
+        owner_codes, owner_scales, owner_sent = self._quantise_rows(mean)
+        owner_residual = mean.sub_(owner_sent()) if self.owner_error_feedback else None
         (gathered,) = yield Round([Gather((owner_codes, owner_scales))], last=True)
         if owner_residual is not None:
             state.commit(OWNER_RESIDUAL, owner_residual.view(-1), plan.owner_layout, check_result=True)
 
         def write(out: Tensor) -> None:
-            chunks = self._decode_rows(stacked(gathered, 0), stacked(gathered, 1))
+            chunks = self._dequantise_rows(stacked(gathered, 0), stacked(gathered, 1))
             torch.index_select(chunks.view(-1), 0, plan.scatter, out=out)
 
         def subtract(residual: Tensor) -> None:
-            sent = self._decode_rows(codes, scales).view(-1).index_select(0, plan.scatter)
-            residual.sub_(sent.to(residual.dtype))
+            residual.sub_(sent().view(-1).index_select(0, plan.scatter).to(residual.dtype))
 
         return SegmentsOutcome(segments.numels, subtract, write)
 
@@ -240,21 +246,22 @@ class Int8AllReduce(_QuantisedAllReduce):
     """
 
     name = "int8"
-    _code_dtype = torch.int8
 
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         scales = self._scales(blocks)
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
         return codes.view(torch.uint8).reshape(-1), scales
 
-    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """:meth:`_encode` without its clamp, which changes no finite value: ``|x| <= peak`` makes
-        ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5."""
-        scales = self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
-        codes = torch.round(blocks / scales.unsqueeze(-1)).to(torch.int8)
-        return codes.view(torch.uint8).view(*blocks.shape[:-2], -1), scales
+        ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5. The rounded levels times the
+        scales are the decoded values (int8 codes times fp32 scales are the same products)."""
+        scales = self._block_scales(blocks)
+        levels = torch.round(blocks / scales.unsqueeze(-1))
+        codes = levels.to(torch.int8).view(torch.uint8).view(*blocks.shape[:-2], -1)
+        return codes, scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
 
-    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
         """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
         first)."""
         return torch.mul(codes.view(torch.int8).view(*scales.shape, self.block_size), scales.unsqueeze(-1))
@@ -271,6 +278,7 @@ class Int4AllReduce(_QuantisedAllReduce):
 
     name = "int4"
     code_max = 7.0
+    _codes_per_byte = 2
 
     def _code_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, 4)
@@ -280,14 +288,18 @@ class Int4AllReduce(_QuantisedAllReduce):
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
         return pack(codes.reshape(-1), 4), scales
 
-    def _encode_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        scales = self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
-        codes = torch.round(blocks / scales.unsqueeze(-1)).clamp_(-7, 7).add_(8).to(torch.uint8)
-        return pack_grouped(codes.view(*blocks.shape[:-2], -1), 4), scales
+    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+        """Levels ``r = round(x/s)`` (within ``[-7, 7]`` without a clamp, as for int8); two consecutive codes
+        ``r + 8`` per byte, the first in the low nibble: ``(r₀+8) + 16(r₁+8)``, one matrix-vector product of
+        the pairs with ``(1, 16)`` plus 136 (exact: small integers)."""
+        scales = self._block_scales(blocks)
+        levels = torch.round(blocks / scales.unsqueeze(-1))
+        weights, offset = _pair_weights(blocks.device)
+        codes = torch.addmv(offset, levels.view(-1, 2), weights).to(torch.uint8)
+        return codes.view(*blocks.shape[:-2], -1), scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
 
-    def _decode_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
-        values = unpack_grouped(codes, 4, torch.float32).sub_(8)
-        return values.view(*scales.shape, self.block_size).mul_(scales.unsqueeze(-1))
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return _decode_nibble_pairs(codes, scales, _nibble_pairs(_INT4_LEVELS, codes.device), self.block_size)
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         numel = scales.numel() * self.block_size
@@ -313,7 +325,7 @@ class FP8AllReduce(_QuantisedAllReduce):
             raise ValueError(f"`format` must be 'e4m3' or 'e5m2', got {format!r}")
         super().__init__(block_size, owner_error_feedback)
         self.format = format
-        self._dtype = self._code_dtype = torch.float8_e4m3fn if format == "e4m3" else torch.float8_e5m2
+        self._dtype = torch.float8_e4m3fn if format == "e4m3" else torch.float8_e5m2
         self.code_max = float(torch.finfo(self._dtype).max)
 
     def hparams(self) -> dict[str, Any]:
@@ -327,6 +339,18 @@ class FP8AllReduce(_QuantisedAllReduce):
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return codes.view(self._dtype).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
 
+    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+        """:meth:`_encode` without its clamp, which changes no finite value: ``|x / s|`` exceeds ``F`` by at
+        most two roundings, far below the midpoint to the next (invalid) code."""
+        scales = self._block_scales(blocks)
+        quantised = (blocks / scales.unsqueeze(-1)).to(self._dtype)
+        codes = quantised.view(torch.uint8).view(*blocks.shape[:-2], -1)
+        return codes, scales, lambda: quantised.to(torch.float32).mul_(scales.unsqueeze(-1))
+
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        values = codes.view(self._dtype).view(*scales.shape, self.block_size).to(torch.float32)
+        return values.mul_(scales.unsqueeze(-1))
+
 
 #: magnitudes of the 4-bit float formats (with a sign bit on top): E2M1 is OCP's MX FP4 (2 exponent bits, 1
 #: mantissa bit); E3M0 has 3 exponent bits and no mantissa (powers of two), its lowest code standing for 0
@@ -338,16 +362,20 @@ FP4_MAGNITUDES = {
 
 class FP4AllReduce(_QuantisedAllReduce):
     r"""Quantised all-reduce with 4-bit floats: per block, :math:`x_i / s` with :math:`s = \max_j |x_j| / F`
-    rounded to the nearest of the format's 8 magnitudes (``F`` its largest), a sign bit on top, two codes
-    per byte, and one fp32 scale per block; averaged in fp32 by each chunk's owner (about 7.5x fewer
-    bytes than fp32 at ``B = 256``). Streaming DiLoCo (Douillard et al. 2025, §3) sends its outer gradients
-    in 4-bit floats (E3M0) and accumulates them in fp32.
+    rounded to the nearest of the format's 16 signed values (``F`` its largest magnitude; ties to the value
+    of even magnitude index, IEEE's rule for E2M1), two codes per byte, and one fp32 scale per block;
+    averaged in fp32 by each chunk's owner (about 7.5x fewer bytes than fp32 at ``B = 256``). Streaming
+    DiLoCo (Douillard et al. 2025, §3) sends its outer gradients in 4-bit floats (E3M0) and accumulates
+    them in fp32.
 
     Formats (magnitudes, before the scale): ``"e3m0"`` (default) 0 and :math:`2^{-6} \ldots 2^0`, relative
-    rounding like a float without mantissa; ``"e2m1"`` (MX FP4) 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+    rounding like a float without mantissa; ``"e2m1"`` (MX FP4) 0, 0.5, 1, 1.5, 2, 3, 4, 6. A code is the
+    value's rank among the 16 (``-F .. -0, +0 .. F``): encoding is one sorted search
+    (``torch.bucketize``) and decoding one table lookup.
     """
 
     name = "fp4"
+    _codes_per_byte = 2
 
     def __init__(self, format: Literal["e3m0", "e2m1"] = "e3m0", block_size: int = 256,
                  owner_error_feedback: bool = True) -> None:
@@ -363,33 +391,97 @@ class FP4AllReduce(_QuantisedAllReduce):
     def _code_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, 4)
 
+    def _codes(self, scaled: Tensor, out_int32: bool = False) -> Tensor:
+        """Each scaled value's code: the rank of its nearest signed value (:func:`_fp4_boundaries`)."""
+        return torch.bucketize(scaled, _fp4_table(self.format, scaled.device)[1], out_int32=out_int32, right=True)
+
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """The index of the nearest magnitude by arithmetic (no table, no search): E3M0 from the binary
-        exponent (``m = f·2^e``, ``f ∈ [0.5, 1)``: ``2^e`` when ``f ≥ 0.75``, else ``2^(e−1)``), E2M1 from
-        its three evenly spaced stretches; then the sign as bit 3."""
         scales = self._scales(blocks)
-        scaled = blocks / scales.unsqueeze(1)
-        magnitude = scaled.abs()
-        if self.format == "e3m0":
-            fraction, exponent = torch.frexp(magnitude)
-            index = (exponent - fraction.lt(0.75).to(exponent.dtype) + 7).clamp_(1, 7)
-            index = index.masked_fill_(magnitude.lt(1 / 128), 0)
-        else:
-            index = torch.where(magnitude.lt(1.75), magnitude.mul(2).round_(),
-                                torch.where(magnitude.lt(3.5), magnitude.round().add_(2),
-                                            magnitude.ge(5).to(magnitude.dtype).add_(6)))
-        codes = index.to(torch.uint8) | (scaled.lt(0).to(torch.uint8) << 3)
-        return pack(codes.reshape(-1), 4), scales
+        return pack(self._codes(blocks / scales.unsqueeze(1)).reshape(-1), 4), scales
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
-        numel = scales.numel() * self.block_size
-        unpacked = unpack(codes, 4, numel, dtype=torch.float32)
-        negative = unpacked.ge(8)
-        index = unpacked.sub_(negative.to(torch.float32).mul_(8))
-        if self.format == "e3m0":
-            values = torch.exp2(index - 7).masked_fill_(index.eq(0), 0.0)
-        else:
-            exponent, mantissa = torch.div(index, 2, rounding_mode="floor"), torch.remainder(index, 2)
-            values = torch.where(index.lt(2), index * 0.5, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
-        values = torch.where(negative, -values, values)
+        ranks = unpack(codes, 4, scales.numel() * self.block_size)
+        values = _fp4_table(self.format, codes.device)[0].index_select(0, ranks)
         return values.view(scales.numel(), -1).mul_(scales.unsqueeze(1))
+
+    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+        """Codes as int32 ranks; two consecutive ones per byte, the first in the low nibble."""
+        scales = self._block_scales(blocks)
+        ranks = self._codes(blocks / scales.unsqueeze(-1), out_int32=True)
+        pairs = ranks.view(-1, 2)
+        codes = torch.add(pairs[:, 0], pairs[:, 1], alpha=16).to(torch.uint8).view(*blocks.shape[:-2], -1)
+        values = _fp4_table(self.format, blocks.device)[0]
+        return codes, scales, lambda: values.index_select(0, ranks.view(-1)).view_as(blocks).mul_(scales.unsqueeze(-1))
+
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+        table = _nibble_pairs(_fp4_values(FP4_MAGNITUDES[self.format]), codes.device)
+        return _decode_nibble_pairs(codes, scales, table, self.block_size)
+
+
+# ---------------------------------------------------------------------- 4-bit code tables
+#: int4's value of each code ``r + 8`` (code 0 is never sent)
+_INT4_LEVELS = tuple(float(code - 8) for code in range(16))
+
+
+def _fp4_values(magnitudes: Sequence[float]) -> list[float]:
+    """The 16 signed values of a 4-bit float format in ascending order, ``-0.0`` before ``+0.0``: code
+    ``i`` stands for value ``i``."""
+    return [-m for m in reversed(magnitudes)][:-1] + [-0.0] + list(magnitudes)
+
+
+def _fp4_boundaries(magnitudes: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """:func:`_fp4_values` as an fp32 tensor, and the 15 fp32 boundaries between neighbours for ``bucketize(right=True)``: a value at or above boundary
+    ``i`` is encoded as value ``i + 1`` or higher. A boundary is the midpoint of its neighbours, moved up
+    one float where the tie belongs to the lower neighbour (ties go to the even magnitude index: of two
+    neighbours, exactly one); ``+0.0`` starts at 0, so that every negative value keeps its sign (tiny
+    ones decode as ``-0.0``; ``-0.0`` itself equals 0 and decodes as ``+0.0``)."""
+    signed = _fp4_values(magnitudes)
+    values = torch.tensor(signed, dtype=torch.float32)
+    middles = (values[:-1] + values[1:]) / 2  # exact: the values are dyadic
+    tie_goes_up = torch.tensor([magnitudes.index(abs(high)) % 2 == 0 for high in signed[1:]])
+    boundaries = torch.where(tie_goes_up, middles, torch.nextafter(middles, torch.tensor(math.inf)))
+    boundaries[len(magnitudes) - 1] = 0.0
+    return values, boundaries
+
+
+_FP4_TABLES: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+
+
+def _fp4_table(format: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(values, boundaries)`` of :func:`_fp4_boundaries` as fp32 tensors on ``device``, kept."""
+    key = (format, str(device))
+    if key not in _FP4_TABLES:
+        values, boundaries = _fp4_boundaries(FP4_MAGNITUDES[format])
+        _FP4_TABLES[key] = (to_device(values, device), to_device(boundaries, device))
+    return _FP4_TABLES[key]
+
+
+_NIBBLE_PAIRS: dict[tuple[tuple[float, ...], str], Tensor] = {}
+
+
+def _nibble_pairs(levels: Sequence[float], device: torch.device) -> Tensor:
+    """A ``(256, 2)`` fp32 table: for each byte, the values of its low and high 4-bit codes (``levels``:
+    the value of each code), kept per device."""
+    key = (tuple(levels), str(device))
+    if key not in _NIBBLE_PAIRS:
+        table = torch.tensor([[levels[byte & 15], levels[byte >> 4]] for byte in range(256)], dtype=torch.float32)
+        _NIBBLE_PAIRS[key] = to_device(table, device)
+    return _NIBBLE_PAIRS[key]
+
+
+def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_size: int) -> Tensor:
+    """``(..., blocks, block_size)`` fp32 values of bytes holding two 4-bit codes each: one table lookup
+    per byte (both codes at once), then the scales."""
+    values = table.index_select(0, codes.to(torch.int32).reshape(-1))
+    return values.view(*scales.shape, block_size).mul_(scales.unsqueeze(-1))
+
+
+_PAIR_WEIGHTS: dict[str, tuple[Tensor, Tensor]] = {}
+
+
+def _pair_weights(device: torch.device) -> tuple[Tensor, Tensor]:
+    """``((1, 16), 136)``: int4's byte of two levels ``r₀, r₁`` is ``(1, 16)·(r₀, r₁) + 136``."""
+    key = str(device)
+    if key not in _PAIR_WEIGHTS:
+        _PAIR_WEIGHTS[key] = (to_device(torch.tensor([1.0, 16.0]), device), to_device(torch.tensor(136.0), device))
+    return _PAIR_WEIGHTS[key]

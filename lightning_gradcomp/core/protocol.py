@@ -89,7 +89,12 @@ def stacked(rows: Sequence[Received], index: int) -> Tensor:
     """Part ``index`` of every worker's :class:`Received`, as one ``(N, numel)`` tensor: a strided view
     without a copy when the parts lie at a constant distance in one buffer (the rows of a gathered
     buffer), else a stack. Read-only, like every result."""
-    parts = [row.parts[index] for row in rows]
+    return stack_views([row.parts[index] for row in rows])
+
+
+def stack_views(parts: Sequence[Tensor]) -> Tensor:
+    """Tensors of one shape as one ``(N, numel)`` tensor: a strided view without a copy when they lie at a
+    constant distance in one buffer (as the rows of a gathered buffer do), else a stack."""
     first = parts[0]
     if len(parts) > 1 and first.numel() and all(
             part.dtype == first.dtype and part.shape == first.shape and part.is_contiguous()

@@ -43,8 +43,10 @@ def all_finite_many(tensors: Sequence[Tensor]) -> list[Finite]:
 def finite_vector(tensors: Sequence[Tensor]) -> Tensor:
     """Whether each tensor is finite, as one bool vector on the tensors' device, in three operations: a
     multi-tensor max-norm (NaN or infinite exactly when an element is; it cannot overflow), a stack, a
-    comparison (``NaN < inf`` is false). No host read."""
+    comparison (``NaN < inf`` is false); two for a single tensor. No host read."""
     peaks = torch._foreach_norm(list(tensors), math.inf)
+    if len(peaks) == 1:
+        return peaks[0].reshape(1).lt(math.inf)
     if len({peak.dtype for peak in peaks}) > 1:
         peaks = [peak.float() if peak.dtype != torch.float64 else peak for peak in peaks]
     return torch.stack(peaks).lt(math.inf)

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
 from lightning_gradcomp.core.device import host_reads_allowed
-from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round
+from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round, stack_views
 from lightning_gradcomp.core.segments import Segments
 from lightning_gradcomp.core.tensors import all_finite_many, Finite, flag_vector
 from lightning_gradcomp.exchange import wire
@@ -464,15 +464,17 @@ class _MergedRound:
         if self.gathers:
             rows = next(results_iter, None)
             received: list[list[Received]] = [[] for _ in self.gathers]
+            flags = []
             for rank, (slots, _) in enumerate(self.gather_layouts):
                 row = rows[rank] if rows is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
                 counts = self.rank_counts[rank] if self.rank_counts is not None else [None] * len(self.gathers)
                 payloads = wire.deserialize(row, slots)
                 if self.flag_slot is _FlagSlot.GATHER:
-                    flag = payloads.pop()[0][0]
-                    self._summed_flag = flag if self._summed_flag is None else self._summed_flag + flag
+                    flags.append(payloads.pop()[0])
                 for request_index, parts in enumerate(payloads):
                     received[request_index].append(Received(parts, counts[request_index]))
+            if flags:  # one sum over the workers' flags (a strided view of the gathered rows)
+                self._summed_flag = flags[0][0] if len(flags) == 1 else stack_views(flags).sum()
             for (index, position, _), rows_of_request in zip(self.gathers, received):
                 per_tensor[index][position] = rows_of_request
         if self.exchanges:
