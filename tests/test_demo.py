@@ -4,16 +4,21 @@ step in a Lightning run and as the outer compressor of local updates."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.bitpack import packed_nbytes
 from lightning_gradcomp.compressors.demo import MOMENTUM, Tiling, dct_matrix, largest_divisor_at_most
+from lightning_gradcomp.core.device import accelerator_path
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from tests._oracle import demo_aggregate, demo_spatial
 
-SHAPES = {"fc.weight": (96, 128), "conv.weight": (20, 6, 3, 3), "fc.bias": (300,)}
+#: with chunk=16, tiles of 16 x 16, 10 x 9, 1 x 15 and 16 x 16 again: the bucket-wise path groups the first
+#: and the last tensor (its groups are not in the bucket's order)
+SHAPES = {"fc.weight": (96, 128), "conv.weight": (20, 6, 3, 3), "fc.bias": (300,), "head.weight": (32, 48)}
 
 
 def _gradients(params: dict[str, torch.Tensor], worker: int, step: int) -> list[tuple[str, torch.Tensor]]:
@@ -24,12 +29,19 @@ def _gradients(params: dict[str, torch.Tensor], worker: int, step: int) -> list[
             for name, p in params.items()]
 
 
+@pytest.mark.parametrize("bucket_wise", [False, True], ids=["per-tensor", "bucket-wise"])
 @pytest.mark.parametrize("sign", [True, False])
-def test_two_workers_match_the_float64_reference_of_the_seven_steps(sign: bool) -> None:
+def test_two_workers_match_the_float64_reference_of_the_seven_steps(sign: bool, bucket_wise: bool) -> None:
     """SGD(lr, weight_decay) fed by the exchange against steps 1-7 in float64 (DCT from its definition,
-    tile by tile): parameters after every step, and each worker's momentum. With the sign, a coordinate
-    whose aggregate is within rounding of 0 may take the other sign: at most 0.1% of them, and the
-    reference goes on from the package's parameters and momenta so such a case does not compound."""
+    tile by tile): parameters after every step, and each worker's momentum; per tensor (the CPU's path)
+    and a whole bucket at once (the accelerators' path, tensors grouped by tile shape). With the sign, a
+    coordinate whose aggregate is within rounding of 0 may take the other sign: at most 0.1% of them,
+    and the reference goes on from the package's parameters and momenta so such a case does not compound."""
+    with accelerator_path() if bucket_wise else contextlib.nullcontext():
+        _match_the_float64_reference(sign, bucket_wise)
+
+
+def _match_the_float64_reference(sign: bool, bucket_wise: bool) -> None:
     lr, weight_decay, decay = 0.01, 0.1, 0.9
     compressor = DeMo(chunk=16, k=5, decay=decay, sign=sign)
     torch.manual_seed(0)
@@ -37,6 +49,7 @@ def test_two_workers_match_the_float64_reference_of_the_seven_steps(sign: bool) 
     optimizer = torch.optim.SGD(params.values(), lr=lr, weight_decay=weight_decay)
     compressor.check_optimizer(optimizer)  # binds the learning rate of step 2
     exchange = SimulatedExchange(compressor, 2, min_compress_numel=0)
+    assert (compressor.segment_alignment(torch.device("cpu")) is not None) == bucket_wise
     momenta: dict[str, list] = {name: [None, None] for name in SHAPES}
     for step in range(4):
         lr = 0.01 * (1 - 0.2 * step)  # a schedule: step 2 weighs each gradient by its step's learning rate
@@ -93,16 +106,59 @@ def test_bytes_handed_to_the_collective_are_twelve_bit_indices_and_the_values(va
     assert 256 * 512 * 4 / payload > (90 if value_bytes == 4 else 145)
 
 
-def test_a_tensor_sent_dense_steps_along_the_sign_of_the_averaged_momentum() -> None:
+@pytest.mark.parametrize("bucket_wise", [False, True], ids=["per-tensor", "bucket-wise"])
+def test_a_tensor_sent_dense_steps_along_the_sign_of_the_averaged_momentum(bucket_wise: bool) -> None:
     compressor = DeMo(decay=0.5)
     exchange = SimulatedExchange(compressor, 2, min_compress_numel=1000)
-    grads = [[torch.randn(50) for _ in range(2)] for _ in range(2)]  # [step][worker]
+    grads = [[[torch.randn(50), torch.randn(70)] for _ in range(2)] for _ in range(2)]  # [step][worker][tensor]
     for step in range(2):
-        for worker in range(2):
-            exchange.add_worker(worker, [("bias", grads[step][worker].clone())])
-        aggregate = exchange.finish_step()["bias"]
-        assert torch.equal(aggregate, (grads[step][0] + grads[step][1]).sign())  # all sent: δ = g, then δ ← 0
-        assert not exchange.pipelines[0].memory.states["bias"][MOMENTUM].any()
+        with accelerator_path() if bucket_wise else contextlib.nullcontext():
+            for worker in range(2):
+                exchange.add_worker(worker, [("bias", grads[step][worker][0].clone()),
+                                             ("norm", grads[step][worker][1].clone())])
+            aggregate = exchange.finish_step()
+        for index, name in enumerate(("bias", "norm")):  # all sent: δ = g, then δ ← 0
+            assert torch.equal(aggregate[name], (grads[step][0][index] + grads[step][1][index]).sign())
+            assert not exchange.pipelines[0].memory.states[name][MOMENTUM].any()
+
+
+def _run_steps(exchange: SimulatedExchange, steps: range, bucket_wise: bool) -> list[dict[str, torch.Tensor]]:
+    """Steps of 3 workers on SHAPES' gradients (seeded by step and worker)."""
+    results = []
+    for step in steps:
+        with accelerator_path() if bucket_wise else contextlib.nullcontext():
+            for worker in range(exchange.workers):
+                generator = torch.Generator().manual_seed(100 * step + worker)
+                exchange.add_worker(worker, [(name, torch.randn(shape, generator=generator))
+                                             for name, shape in SHAPES.items()])
+            results.append(exchange.finish_step())
+    return results
+
+
+@pytest.mark.parametrize("bucket_wise", [False, True], ids=["per-tensor-first", "bucket-wise-first"])
+def test_a_checkpoint_resumes_on_the_other_path_and_another_chunk_restarts_the_momentum(bucket_wise: bool) -> None:
+    """The bucket-wise momentum is kept per parameter as ``(tiles, a·b)`` coefficients, as per tensor: a
+    checkpoint of one path resumes on the other (equal to rounding), and one taken with another
+    ``chunk`` (another tiling, the same number of coefficients) starts the momentum afresh on both."""
+    first = SimulatedExchange(DeMo(chunk=16, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+    _run_steps(first, range(2), bucket_wise)
+    states = first.state_dicts()
+    expected = _run_steps(first, range(2, 4), bucket_wise)
+    resumed = SimulatedExchange(DeMo(chunk=16, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+    resumed.load_state_dicts(states, torch.device("cpu"))
+    for want, got in zip(expected, _run_steps(resumed, range(2, 4), not bucket_wise)):
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
+    fresh = SimulatedExchange(DeMo(chunk=8, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+    other_chunk = SimulatedExchange(DeMo(chunk=8, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+    other_chunk.load_state_dicts(states, torch.device("cpu"))
+    for path in (bucket_wise, not bucket_wise):
+        want, got = _run_steps(fresh, range(2, 3), path)[0], _run_steps(other_chunk, range(2, 3), path)[0]
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
+        fresh = SimulatedExchange(DeMo(chunk=8, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+        other_chunk = SimulatedExchange(DeMo(chunk=8, k=5, decay=0.9, sign=False), 3, min_compress_numel=0)
+        other_chunk.load_state_dicts(states, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("optimizer,match", [

@@ -224,6 +224,12 @@ class Compressor(ABC):
         """A step after averaging a tensor sent dense (below the strategy's size threshold), in place on
         the mean ``out`` (DeMo takes its sign); nothing by default."""
 
+    def finalize_dense_many(self, outs: Sequence[Tensor], contexts: Sequence[CompressContext]) -> None:
+        """:meth:`finalize_dense` of several tensors (a bucket's), where a compressor can do it in a fixed
+        number of operations (DeMo: one multi-tensor sign); by default one call per tensor."""
+        for out, ctx in zip(outs, contexts):
+            self.finalize_dense(out, ctx)
+
     def compression_error(self, tensor: Tensor, outcome: Outcome, ctx: CompressContext) -> tuple[Tensor, Tensor]:
         """``(‖p − C(p)‖², ‖p‖²)`` for the tensor just exchanged (telemetry of compressors without the
         generic error feedback; under error feedback the pipeline measures the residual itself)."""
@@ -321,8 +327,8 @@ class Compressor(ABC):
     def _per_tensor_path_is(self, owner: type) -> bool:
         """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of
         them (a user's variant of a built-in) must not be bypassed by ``owner``'s bucket-wise path."""
-        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "finalize_dense", "compression_error",
-                   "static_count", "part_dtypes", "payload_numels", "wire_format")
+        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "finalize_dense", "finalize_dense_many",
+                   "compression_error", "static_count", "part_dtypes", "payload_numels", "wire_format")
         return all(getattr(type(self), method) is getattr(owner, method) for method in methods)
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],

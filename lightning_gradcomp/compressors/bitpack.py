@@ -109,9 +109,8 @@ def _pack_groups(groups: Tensor, bits: int) -> Tensor:
         return torch.cat([low, _pack_groups(groups >> 8, bits - 8)], dim=1)
     if bits == 8:
         return groups.to(torch.uint8)
-    shifts = torch.arange(8, device=groups.device, dtype=torch.int64) * bits
+    shifts, byte_shifts = _group_shifts(bits, groups.device)
     words = (groups << shifts).sum(dim=1, keepdim=True)  # disjoint bit ranges: sum == bitwise or
-    byte_shifts = torch.arange(bits, device=groups.device, dtype=torch.int64) * 8
     return ((words >> byte_shifts) & 0xFF).to(torch.uint8)
 
 
@@ -121,10 +120,22 @@ def _unpack_groups(groups: Tensor, bits: int) -> Tensor:
         return low | (_unpack_groups(groups[:, 8:], bits - 8) << 8)
     if bits == 8:
         return groups.to(torch.int64)
-    byte_shifts = torch.arange(bits, device=groups.device, dtype=torch.int64) * 8
+    shifts, byte_shifts = _group_shifts(bits, groups.device)
     words = (groups.to(torch.int64) << byte_shifts).sum(dim=1, keepdim=True)
-    shifts = torch.arange(8, device=groups.device, dtype=torch.int64) * bits
     return (words >> shifts) & ((1 << bits) - 1)
+
+
+_GROUP_SHIFTS: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+
+
+def _group_shifts(bits: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(code shifts, byte shifts)`` of a group of 8 codes of ``bits < 8`` bits in ``bits`` bytes, as int64,
+    kept per device."""
+    key = (bits, str(device))
+    if key not in _GROUP_SHIFTS:
+        _GROUP_SHIFTS[key] = (torch.arange(8, dtype=torch.int64, device=device) * bits,
+                              torch.arange(bits, dtype=torch.int64, device=device) * 8)
+    return _GROUP_SHIFTS[key]
 
 
 def pack_signs(negative: Tensor) -> Tensor:
@@ -195,3 +206,31 @@ def _grouped_constants(bits: int, device: torch.device) -> tuple[Tensor, Tensor,
         shifts = torch.arange(group, dtype=torch.int64, device=device) * bits
         _GROUPED[key] = (shifts, torch.arange(width, dtype=torch.int64, device=device) * 8, shifts.to(torch.uint8))
     return _GROUPED[key]
+
+
+def pack_rows(codes: Tensor, bits: int) -> Tensor:
+    """Codes of ``bits`` bits (non-negative integers, ``(..., n)``) packed row by row over the last
+    dimension, in a few operations whatever the number of rows: every row of ``n`` codes becomes
+    ``⌈n/8⌉·bits`` bytes (as :func:`pack` counts), groups of 8 codes filling ``bits`` bytes each. A
+    row's bytes depend on that row alone, so rows packed apart (one per worker) unpack together
+    (:func:`unpack_rows`)."""
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"`bits` must be in [1, {MAX_BITS}], got {bits}")
+    leading, numel = codes.shape[:-1], codes.shape[-1]
+    padding = -numel % 8
+    if padding:
+        codes = torch.nn.functional.pad(codes, (0, padding))
+    if bits <= 8:
+        return pack_grouped(codes.to(torch.uint8), bits)
+    groups = codes.reshape(-1, 8).to(torch.int64)
+    return _pack_groups(groups, bits).view(*leading, -1)
+
+
+def unpack_rows(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """Inverse of :func:`pack_rows`: ``(..., numel)`` int64 codes of ``(..., bytes)`` packed rows
+    (``packed`` may be a strided view of rows whose last dimension is contiguous)."""
+    leading = packed.shape[:-1]
+    if bits <= 8:
+        return unpack_grouped(packed, bits, torch.int64)[..., :numel]
+    groups = packed.reshape(-1, bits)
+    return _unpack_groups(groups, bits).view(*leading, -1)[..., :numel]

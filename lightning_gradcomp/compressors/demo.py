@@ -42,6 +42,10 @@ values in the gradient's dtype or in ``value_dtype``. The momentum keeps what ro
 For a 64 × 64 tile with fp32 values that is 32·(12 + 32)/8 = 176 bytes for 16 KiB: 93x fewer bytes than
 fp32; with bf16 values 146x.
 
+On accelerators a whole bucket is compressed at once (:meth:`DeMo.exchange_segments`): its tensors are
+grouped by tile shape, and each group's tiles are transformed, selected, packed and decoded together
+(a few dozen operations per group, not per tensor), with the same values as per tensor up to rounding.
+
 Tensors the strategy sends dense (fewer than ``min_compress_numel`` elements) take DeMo with every
 coefficient sent: ``δ ← β·δ + η·g`` is averaged whole and its sign handed on, ``δ ← 0``.
 
@@ -70,9 +74,10 @@ from lightning_gradcomp.compressors.base import (
     check_int,
     squared_norm,
 )
-from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
-from lightning_gradcomp.core.device import state_dtype
-from lightning_gradcomp.core.protocol import Gather, Outcome, Round
+from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
+from lightning_gradcomp.core.device import host_reads_allowed, state_dtype, to_device
+from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
+from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 #: the compressor state key of the decoupled momentum ``δ``: for a compressed tensor its DCT coefficients,
 #: ``(tiles, a·b)`` in tile order (a checkpoint taken with another ``chunk`` starts the momentum afresh);
@@ -98,7 +103,7 @@ def dct_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     j = torch.arange(n, dtype=torch.float64).unsqueeze(0)
     matrix = torch.cos(math.pi * (2 * j + 1) * i / (2 * n)) * math.sqrt(2.0 / n)
     matrix[0] /= math.sqrt(2.0)
-    return matrix.to(dtype=dtype, device=device)
+    return to_device(matrix.to(dtype), device)  # built once per device, copied without a host sync
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,11 @@ class Tiling:
             out = torch.matmul(dct_matrix(self.a, flat.dtype, flat.device), out.view(grid_rows, self.a, -1))
         return out.reshape(grid_rows, self.a, grid_cols, self.b).transpose(1, 2).reshape(self.tiles, self.tile)
 
+    def tile_positions(self) -> Tensor:
+        """The flat position of every element in tile order (``encode``'s order): ``(tiles·a·b,)`` int64."""
+        grid = torch.arange(self.rows * self.cols).view(self.rows // self.a, self.a, self.cols // self.b, self.b)
+        return grid.transpose(1, 2).reshape(-1)
+
     def decode(self, coefficients: Tensor) -> Tensor:
         """Inverse of :meth:`encode` (``D_aᵀ·C·D_b`` per tile): the flat tensor."""
         grid_rows, grid_cols = self.rows // self.a, self.cols // self.b
@@ -161,6 +171,26 @@ class Tiling:
         if self.b > 1:
             out = out @ dct_matrix(self.b, out.dtype, out.device)
         return out.reshape(-1)
+
+
+def transform_tiles(tiles: Tensor) -> Tensor:
+    """DCT of a batch of ``(n, a, b)`` tiles, ``D_a·T·D_bᵀ`` (rows first, as :meth:`Tiling.encode`)."""
+    a, b = tiles.shape[1:]
+    if b > 1:
+        tiles = tiles @ dct_matrix(b, tiles.dtype, tiles.device).T
+    if a > 1:
+        tiles = torch.matmul(dct_matrix(a, tiles.dtype, tiles.device), tiles)
+    return tiles
+
+
+def inverse_tiles(coefficients: Tensor) -> Tensor:
+    """Inverse of :func:`transform_tiles`, ``D_aᵀ·C·D_b`` (columns first, as :meth:`Tiling.decode`)."""
+    a, b = coefficients.shape[1:]
+    if a > 1:
+        coefficients = torch.matmul(dct_matrix(a, coefficients.dtype, coefficients.device).T, coefficients)
+    if b > 1:
+        coefficients = coefficients @ dct_matrix(b, coefficients.dtype, coefficients.device)
+    return coefficients
 
 
 class DeMo(Compressor):
@@ -272,27 +302,34 @@ class DeMo(Compressor):
         top-k of each tile, and what is sent leaves them (the DCT is linear and orthonormal, so this is
         the reference's ``δ ← δ − IDCT(S)`` without transforming ``S`` back)."""
         tiling = self.tiling(tensor.numel(), ctx.shape)
-        if tiling.k == tiling.tile and ctx.name not in self._warned:  # e.g. a prime dimension: 1-wide tiles
-            self._warned.add(ctx.name)
-            warnings.warn(f"DeMo: parameter {ctx.name!r} of shape {tuple(ctx.shape)} is cut into tiles of "
-                          f"{tiling.a} x {tiling.b} (the largest divisors of its dimensions up to chunk={self.chunk}), "
-                          f"and k={self.k} sends every coefficient with its index: more bytes than sending it dense; "
-                          "pad the dimension, lower k, or raise min_compress_numel above its size",
-                          RuntimeWarning, stacklevel=2)
+        self._warn_whole_tiles(tiling, ctx)
         momentum = self._momentum(tiling.encode(tensor.to(state_dtype(tensor.dtype))), ctx)
         # nan_to_num: a non-finite gradient (voided by the bucket's verdict) must still give valid indices
         chosen = momentum.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
         selected = momentum.gather(1, chosen)
-        wire = self._value_dtype(ctx.wire_dtype(tensor))
-        if torch.finfo(wire).max < torch.finfo(selected.dtype).max:  # fp16: what overflows stays in δ, not inf
-            values = selected.clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
-        else:
-            values = selected.to(wire, copy=True)
+        values = self._wire_values(selected, self._value_dtype(ctx.wire_dtype(tensor)))
         payload = Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
                           tiling.count, tiling)
         momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))  # 0, or what rounding lost
         ctx.commit(MOMENTUM, momentum)
         return payload
+
+    def _warn_whole_tiles(self, tiling: Tiling, ctx: CompressContext) -> None:
+        """Warn once per parameter whose tiles are sent whole (e.g. a prime dimension: 1-wide tiles)."""
+        if tiling.k == tiling.tile and ctx.name not in self._warned:
+            self._warned.add(ctx.name)
+            warnings.warn(f"DeMo: parameter {ctx.name!r} of shape {tuple(ctx.shape)} is cut into tiles of "
+                          f"{tiling.a} x {tiling.b} (the largest divisors of its dimensions up to chunk={self.chunk}), "
+                          f"and k={self.k} sends every coefficient with its index: more bytes than sending it dense; "
+                          "pad the dimension, lower k, or raise min_compress_numel above its size",
+                          RuntimeWarning, stacklevel=3)
+
+    def _wire_values(self, selected: Tensor, wire: torch.dtype) -> Tensor:
+        """The selected coefficients in the wire's dtype (a copy); with fp16, what would overflow is clamped
+        (the excess stays in the momentum, not inf)."""
+        if torch.finfo(wire).max < torch.finfo(selected.dtype).max:
+            return selected.clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
+        return selected.to(wire, copy=True)
 
     def _coefficients(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """``(indices within each tile, values)``, both ``(tiles, k)``."""
@@ -350,3 +387,173 @@ class DeMo(Compressor):
         """The sign of the averaged momentum (step 7's input)."""
         if self.sign:
             out.sign_()
+
+    def finalize_dense_many(self, outs: Sequence[Tensor], contexts: Sequence[CompressContext]) -> None:
+        """:meth:`finalize_dense` of a bucket's tensors sent dense: one multi-tensor sign."""
+        if self.sign:
+            torch._foreach_sign_(list(outs))
+
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """The flat buffer as it is (alignment 1) on accelerators, unless a subclass changed a per-tensor
+        method; per tensor on the CPU."""
+        if host_reads_allowed(device) or not self._per_tensor_path_is(DeMo):
+            return None
+        return 1
+
+    def segments_fit(self, numels: Sequence[int], align: int) -> bool:
+        return True
+
+    def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                       state: SegmentsState) -> Optional[Tensor]:
+        """:meth:`dense` of every tensor sent dense, at once: ``δ ← β·δ + η·g`` on the flat state, all of
+        it sent."""
+        lr = self._learning_rate()
+        scaled = flat * lr if isinstance(lr, Tensor) or lr != 1.0 else flat
+        previous = state.get(MOMENTUM)
+        momentum = scaled.clone() if previous is None else torch.add(scaled, previous, alpha=self.decay)
+        dtype = contexts[0].dtype or flat.dtype
+        if dtype == momentum.dtype:  # all of it sent exactly: the momentum is emptied
+            state.commit(MOMENTUM, torch.zeros_like(momentum))
+            return momentum
+        sent = momentum.to(dtype)
+        state.commit(MOMENTUM, momentum.sub_(sent))  # what rounding to a 16-bit dtype lost
+        return sent
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Steps 2 to 6 for every tensor of a bucket, one group of tensors with the same tile shape at a
+        time (:class:`_TileGroups`): each group's tiles gathered in tile order by one index, transformed
+        by two batched products, the momentum updated and selected on the group's flat state, the
+        indices packed, and on the way back the workers' coefficients scattered and averaged by two
+        scatter-adds, transformed back and put in place by one index."""
+        plan: _TileGroups = segments.constant(("demo", self.chunk, self.k), flat.device,
+                                              lambda device: _TileGroups(self, segments, device))
+        for tiling, ctx in zip(plan.tilings, contexts):
+            self._warn_whole_tiles(tiling, ctx)
+        lr = self._learning_rate()
+        wire = self._value_dtype(contexts[0].wire_dtype(flat))
+        previous = state.get(MOMENTUM, plan.layout)
+        if previous is not None and plan.to_groups is not None:
+            previous = previous.index_select(0, plan.to_groups)
+        momentum = torch.empty(plan.layout.total, dtype=flat.dtype, device=flat.device)  # in group order
+        parts: list[Tensor] = []
+        selections: list[tuple[Tensor, Tensor]] = []
+        for group in plan.groups:
+            tiles = transform_tiles(flat.index_select(0, group.positions).view(group.tiles, group.a, group.b))
+            coefficients = tiles.view(group.tiles, group.tile)
+            scaled = coefficients * lr if isinstance(lr, Tensor) or lr != 1.0 else coefficients
+            current = momentum[group.start:group.stop].view(group.tiles, group.tile)
+            if previous is None:
+                current.copy_(scaled)
+            else:
+                torch.add(scaled, previous[group.start:group.stop].view(group.tiles, group.tile), alpha=self.decay,
+                          out=current)
+            chosen = current.abs().nan_to_num_(0.0).topk(group.k, dim=1, sorted=False).indices
+            selected = current.gather(1, chosen)
+            values = self._wire_values(selected, wire)
+            current.scatter_(1, chosen, selected.sub_(values.to(current.dtype)))
+            parts += [pack_rows(chosen.view(-1), group.bits), values.view(-1)]
+            selections.append((chosen, values))
+        if plan.to_segments is not None:
+            momentum = momentum.index_select(0, plan.to_segments)
+        state.commit(MOMENTUM, momentum, plan.layout)
+        (gathered,) = yield Round([Gather(tuple(parts))], last=True)
+
+        def write(out: Tensor) -> None:
+            for number, group in enumerate(plan.groups):
+                workers = len(gathered)
+                within = unpack_rows(stacked(gathered, 2 * number), group.bits, group.count)
+                values = stacked(gathered, 2 * number + 1)
+                # (workers, tiles, k) -> (tiles, workers·k): one scatter-add per group, workers in order
+                within = within.reshape(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
+                values = values.view(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
+                values = values.to(out.dtype)
+                sums = torch.zeros(group.tiles, group.tile, dtype=out.dtype, device=out.device)
+                sums.scatter_add_(1, within, values)
+                chosen = torch.zeros_like(sums).scatter_add_(1, within, torch.ones_like(values))
+                mean = sums.div_(chosen.clamp_min_(1.0)).view(group.tiles, group.a, group.b)
+                out.index_copy_(0, group.positions, inverse_tiles(mean).reshape(-1))
+            if self.sign:
+                out.sign_()
+
+        def subtract(residual: Tensor) -> None:  # δ -= IDCT(S): what was sent on this worker's behalf
+            for group, (chosen, values) in zip(plan.groups, selections):
+                sent = torch.zeros(group.tiles, group.tile, dtype=residual.dtype, device=residual.device)
+                sent.scatter_(1, chosen, values.to(residual.dtype))
+                spatial = inverse_tiles(sent.view(group.tiles, group.a, group.b)).reshape(-1)
+                residual.index_add_(0, group.positions, spatial, alpha=-1.0)
+
+        def error() -> tuple[Tensor, Tensor]:  # as compression_error: (‖X_{t+1}‖², ‖X_{t+1}‖² + ‖S‖²)
+            kept = state.get(MOMENTUM, plan.layout)
+            carried = torch.stack(torch._foreach_norm(plan.layout.views(kept))).double().square()
+            sent_sq = torch.cat([torch.segment_reduce(values.double().square().view(-1), "sum",
+                                                      lengths=group.counts)
+                                 for group, (_, values) in zip(plan.groups, selections)])
+            if plan.member_order is not None:
+                sent_sq = sent_sq.index_select(0, plan.member_order)
+            return carried, carried + sent_sq
+
+        return SegmentsOutcome([tiling.count for tiling in plan.tilings], subtract, write, error)
+
+
+@dataclass
+class _TileGroup:
+    """The tensors of a bucket with one tile shape: their tiles in one batch."""
+
+    a: int
+    b: int
+    k: int
+    bits: int
+    tiles: int
+    start: int  # where the group's momentum lies in the bucket's momentum, in group order
+    positions: Tensor  # flat position of every element of the group's tiles, in tile order
+    counts: Tensor  # coefficients sent per member tensor (for telemetry)
+
+    @property
+    def tile(self) -> int:
+        return self.a * self.b
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.tiles * self.tile
+
+    @property
+    def count(self) -> int:
+        return self.tiles * self.k
+
+
+class _TileGroups:
+    """Constants of DeMo's bucket-wise exchange for one layout: each tensor's :class:`Tiling`, the tensors
+    grouped by tile shape (in order of first appearance), the momentum's layout (``(tiles, a·b)`` per
+    tensor, in the bucket's order) and the permutations between it and group order (``None`` where the
+    groups already lie in the bucket's order)."""
+
+    def __init__(self, demo: DeMo, segments: Segments, device: torch.device) -> None:
+        self.tilings = [demo.tiling(numel, shape) for numel, shape in zip(segments.numels, segments.shapes)]
+        self.layout = Segments(segments.names, tuple((tiling.tiles, tiling.tile) for tiling in self.tilings), 1)
+        members: dict[tuple[int, int], list[int]] = {}
+        for index, tiling in enumerate(self.tilings):
+            members.setdefault((tiling.a, tiling.b), []).append(index)
+        order = [index for indices in members.values() for index in indices]
+        self.groups: list[_TileGroup] = []
+        start = 0
+        for (a, b), indices in members.items():
+            first = self.tilings[indices[0]]
+            positions = torch.cat([self.tilings[index].tile_positions() + segments.starts[index] for index in indices])
+            tiles = sum(self.tilings[index].tiles for index in indices)
+            counts = torch.tensor([self.tilings[index].count for index in indices])
+            self.groups.append(_TileGroup(a, b, first.k, first.index_bits, tiles, start, to_device(positions, device),
+                                          to_device(counts, device)))
+            start += tiles * a * b
+        identity = order == sorted(order)
+        self.member_order: Optional[Tensor] = None if identity else to_device(
+            torch.tensor([order.index(index) for index in range(len(order))]), device)
+        self.to_groups: Optional[Tensor] = None
+        self.to_segments: Optional[Tensor] = None
+        if not identity:  # momentum positions: group order <-> the layout's (bucket) order
+            spans = [torch.arange(self.layout.starts[index], self.layout.starts[index] + self.layout.numels[index])
+                     for index in order]
+            to_groups = torch.cat(spans)
+            self.to_groups = to_device(to_groups, device)
+            self.to_segments = to_device(torch.argsort(to_groups), device)

@@ -142,8 +142,9 @@ class CompressionMemory:
             self._flats.pop(key, None)
             return None
         flat = torch.zeros(segments.total, dtype=dtype, device=device)
-        for value, target in zip(values, segments.views(flat)):
-            if value is not None and value.numel() == target.numel():
+        for value, target, shape in zip(values, segments.views(flat), segments.shapes):
+            # another shape of a shaped state (DeMo's tiles after a change of `chunk`) is none, as per tensor
+            if value is not None and (tuple(value.shape) == shape if shaped else value.numel() == target.numel()):
                 target.copy_(value.reshape(-1))
         self._adopt(store, key, segments, flat, shaped)
         return flat

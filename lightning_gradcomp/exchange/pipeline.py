@@ -128,10 +128,12 @@ class WorkerPipeline:
 
     def _finalize_dense(self, outs: Sequence[Optional[Tensor]], contexts: Sequence[CompressContext]) -> None:
         """The compressor's step after the dense average (DeMo's sign), where it has one."""
-        if type(self.compressor).finalize_dense is not Compressor.finalize_dense:
-            for out, ctx in zip(outs, contexts):
-                if out is not None:
-                    self.compressor.finalize_dense(out, ctx)
+        compressor = type(self.compressor)
+        if (compressor.finalize_dense is not Compressor.finalize_dense
+                or compressor.finalize_dense_many is not Compressor.finalize_dense_many):
+            written = [(out, ctx) for out, ctx in zip(outs, contexts) if out is not None]
+            if written:
+                self.compressor.finalize_dense_many([out for out, _ in written], [ctx for _, ctx in written])
 
     def dense_segments_protocol(self, segments: Segments, views: Sequence[Tensor],
                                 contexts: Sequence[CompressContext], outs: Sequence[Optional[Tensor]]
@@ -232,6 +234,8 @@ class _FlatState(SegmentsState):
     def present(self, key: str, layout: Optional[Segments] = None) -> list[bool]:
         segments = layout or self.segments
         found = [self.memory.states.get(name, {}).get(key) for name in segments.names]
+        if layout is not None:  # a shaped state of another shape is none (as :meth:`get` reads it)
+            return [value is not None and tuple(value.shape) == shape for value, shape in zip(found, segments.shapes)]
         return [value is not None and value.numel() == numel for value, numel in zip(found, segments.numels)]
 
     def commit(self, key: str, new: Tensor, layout: Optional[Segments] = None, check_result: bool = False) -> None:
