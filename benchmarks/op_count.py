@@ -1,6 +1,7 @@
 """ATen operations per bucket: one worker's compress + exchange + decode of a bucket of P tensors.
 
     python benchmarks/op_count.py [--tensors 1 10 100] [--workers 2] [--cpu-path]
+    python benchmarks/op_count.py --model torchvision:resnet50     # one training step of a real model
 
 Counts non-view ATen calls (views, slices, reshapes and detaches launch no kernel and are not counted)
 made by worker 0's exchange engine for one bucket of P tensors of 128 x 128 elements, two workers (or
@@ -8,11 +9,17 @@ made by worker 0's exchange engine for one bucket of P tensors of 128 x 128 elem
 along the accelerator path, the code a GPU runs (no host reads; compressors that can compress a whole
 bucket at once do so); ``--cpu-path`` counts the CPU path. On a GPU each op is at least one kernel
 launch, 5-10 µs of host time: the issue's budget is 40 + 3·P.
+
+With ``--model`` (``torchvision:<name>``, ``mlp:<widths>`` or a class path, as ``gradcomp estimate``
+takes), one step of that model's parameters in DDP's buckets (25 MB, the first 1 MB; tensors under 1024
+elements sent dense): the ops of the step, per compressed tensor, the step's budget (the sum of
+40 + 3·P over its buckets) and the per-tensor path's count beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -21,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_gradcomp.compressors import COMPRESSORS  # noqa: E402
-from tests._op_count import bound, count_bucket_ops  # noqa: E402
+from lightning_gradcomp.tools.estimate import build_model  # noqa: E402
+from tests._op_count import bound, count_bucket_ops, count_step_ops, ddp_buckets  # noqa: E402
 
 #: The compressors of the issue's budget, then the others.
 ORDER = ["topk", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd", "int8", "int4", "fp8", "fp4", "powersgd",
@@ -33,8 +41,12 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--workers", type=int, default=2, help="simulated workers (the count should not depend on it)")
     parser.add_argument("--cpu-path", action="store_true", help="count the CPU path instead")
+    parser.add_argument("--model", help="count one step of this model's DDP buckets instead")
     args = parser.parse_args()
     names = [name for name in ORDER if name in COMPRESSORS] + sorted(set(COMPRESSORS) - set(ORDER))
+    if args.model:
+        model_table(args.model, names, args.workers)
+        return
     print(f"| compressor (default settings) | {' | '.join(f'P={count}' for count in args.tensors)} | "
           f"whole bucket at once |")
     print("|---|" + "---|" * (len(args.tensors) + 1))
@@ -47,6 +59,22 @@ def main() -> None:
         segmented = COMPRESSORS[name]().segment_alignment(torch.device("cuda")) is not None
         print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} |")
     print(f"\nbudget: {', '.join(f'P={count}: {bound(count)}' for count in args.tensors)}")
+
+
+def model_table(spec: str, names: list[str], workers: int) -> None:
+    """Ops of one step of ``spec``'s buckets per compressor, whole-bucket path and per-tensor path."""
+    buckets = ddp_buckets(build_model(spec))
+    compressed = [sum(1 for shape in bucket.values() if math.prod(shape) >= 1024) for bucket in buckets]
+    budget = sum(bound(count) for count in compressed)
+    print(f"# {spec}: {sum(len(bucket) for bucket in buckets)} parameters in {len(buckets)} DDP buckets, "
+          f"{sum(compressed)} of at least 1024 elements; budget {budget} (the sum of 40 + 3·P over buckets)")
+    print("| compressor (default settings) | ops per step | per compressed tensor | per-tensor path |")
+    print("|---|---|---|---|")
+    for name in names:
+        ops = [sum(count_step_ops(COMPRESSORS[name], buckets, steps=2, accelerator=accelerator,
+                                  workers=workers).ops.values()) for accelerator in (True, False)]
+        over = " **over**" if ops[0] > budget else ""
+        print(f"| {name} | {ops[0]}{over} | {ops[0] / sum(compressed):.1f} | {ops[1]} |")
 
 
 if __name__ == "__main__":

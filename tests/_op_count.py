@@ -4,7 +4,7 @@
 two workers and counts, under a ``TorchDispatchMode``, the non-view ATen calls made by worker 0's
 engine: compression, merging into collectives, decoding, error feedback and state updates. The
 collectives themselves (the driver's) are not counted. Views, slices, reshapes and detaches
-(``OpOverload.is_view``) are not counted either: they launch no kernel.
+(``OpOverload.is_view``, and :data:`NOT_COUNTED`) are not counted either: they launch no kernel.
 
 Along the accelerator path (:func:`~lightning_gradcomp.core.device.accelerator_path`, the default
 here) the code is the one a GPU runs; ``accelerator=False`` counts the CPU path.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import ExitStack, nullcontext
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +28,11 @@ from lightning_gradcomp.exchange.simulated import SimulatedExchange
 SHAPE = (128, 128)
 
 
+#: Non-view ops that launch no kernel: detaching, lifting a constant, and ``_unsafe_view`` (the reshape of
+#: a fresh tensor, as matmul's folding of batch dimensions issues it: a view ATen does not mark as one).
+NOT_COUNTED = ("aten::detach", "aten::lift_fresh", "aten::_unsafe_view")
+
+
 class OpCounter(TorchDispatchMode):
     """Counts non-view ATen calls by name."""
 
@@ -36,7 +41,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        if not func.is_view and func._schema.name not in ("aten::detach", "aten::lift_fresh"):
+        if not func.is_view and func._schema.name not in NOT_COUNTED:
             self.ops[func._schema.name.removeprefix("aten::")] += 1
         return func(*args, **(kwargs or {}))
 
@@ -59,33 +64,57 @@ def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 
     """Worker 0's ops for the last of ``steps`` steps of a bucket of ``tensors`` tensors of ``shape``
     and ``dense_tensors`` tensors of 512 elements, below the size threshold (biases: sent dense;
     ``workers`` workers, the compressor's default error feedback, telemetry off)."""
-    exchange = SimulatedExchange(make(), workers=workers, error_feedback=error_feedback,
-                                 min_compress_numel=1024, seed=seed)
-    exchange.telemetry_due = False
-    generator = torch.Generator().manual_seed(seed)
     names = [f"layer{index:03d}.weight" for index in range(tensors)]
     names += [f"layer{index:03d}.bias" for index in range(dense_tensors)]
-    shapes = {name: shape if name.endswith(".weight") else (512,) for name in names}
+    bucket = {name: shape if name.endswith(".weight") else (512,) for name in names}
+    return count_step_ops(make, [bucket], steps, accelerator, error_feedback, seed, workers)
+
+
+def count_step_ops(make: Callable[[], Compressor], buckets: Sequence[dict[str, tuple[int, ...]]], steps: int = 3,
+                   accelerator: bool = True, error_feedback: Optional[bool] = None, seed: int = 0,
+                   workers: int = 2, min_compress_numel: int = 1024) -> OpCounter:
+    """Worker 0's ops for the last of ``steps`` steps whose gradients come in ``buckets`` (each a
+    ``{name: shape}`` in the bucket's order; tensors below ``min_compress_numel`` elements are sent dense)."""
+    exchange = SimulatedExchange(make(), workers=workers, error_feedback=error_feedback,
+                                 min_compress_numel=min_compress_numel, seed=seed)
+    exchange.telemetry_due = False
+    generator = torch.Generator().manual_seed(seed)
     counter = OpCounter()
-    bucket: Callable = ExchangeEngine.bucket
+    bucket_protocol: Callable = ExchangeEngine.bucket
+    engine = exchange.engines[0]
+
+    def counted_bucket(self: ExchangeEngine, *args: Any, **kwargs: Any) -> Generator:
+        protocol = bucket_protocol(self, *args, **kwargs)
+        return _counted(protocol, counter) if self is engine else protocol
+
     for step in range(steps):
-        grads = [[(name, torch.randn(shapes[name], generator=generator)) for name in names] for _ in range(workers)]
-        last = step == steps - 1
-        engine = exchange.engines[0]
-
-        def counted_bucket(self: ExchangeEngine, *args: Any, **kwargs: Any) -> Generator:
-            protocol = bucket(self, *args, **kwargs)
-            return _counted(protocol, counter) if self is engine else protocol
-
         with ExitStack() as stack:
             stack.enter_context(accelerator_path() if accelerator else nullcontext())
-            if last:
+            if step == steps - 1:
                 ExchangeEngine.bucket = counted_bucket  # type: ignore[method-assign]
-                stack.callback(setattr, ExchangeEngine, "bucket", bucket)
-            for worker in range(workers):
-                exchange.add_worker(worker, grads[worker])
-            exchange.finish_step()
+                stack.callback(setattr, ExchangeEngine, "bucket", bucket_protocol)
+            for shapes in buckets:  # the in-process driver takes one bucket per worker at a time
+                for worker in range(workers):
+                    exchange.add_worker(worker, [(name, torch.randn(shape, generator=generator))
+                                                 for name, shape in shapes.items()])
+                exchange.finish_step()
     return counter
+
+
+def ddp_buckets(model: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                itemsize: int = 4) -> list[dict[str, tuple[int, ...]]]:
+    """``model``'s parameters in DDP's buckets: in reverse order of registration (about the order
+    backward produces them), a bucket closed once it holds ``first_bucket_mb`` (the first) or
+    ``bucket_cap_mb`` (the others)."""
+    buckets: list[dict[str, tuple[int, ...]]] = [{}]
+    size, cap = 0, first_bucket_mb * 2**20
+    for name, param in reversed(list(model.named_parameters())):
+        buckets[-1][name] = tuple(param.shape)
+        size += param.numel() * itemsize
+        if size >= cap:
+            buckets.append({})
+            size, cap = 0, bucket_cap_mb * 2**20
+    return [bucket for bucket in buckets if bucket]
 
 
 def bound(tensors: int) -> int:

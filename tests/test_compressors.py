@@ -18,7 +18,7 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
-from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
+from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
 
 
 def ctx(step: int = 0, rank: int = 0, name: str = "w") -> CompressContext:
@@ -159,6 +159,21 @@ def test_bitpack_roundtrip(bits: int, numel: int) -> None:
     packed = pack(codes, bits)
     assert packed.numel() == packed_nbytes(numel, bits)
     assert torch.equal(unpack(packed, bits, numel), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8, 9, 10, 12, 13, 16, 20, 32])
+@pytest.mark.parametrize("numel", [1, 7, 8, 33])
+def test_rows_packed_apart_unpack_together(bits: int, numel: int) -> None:
+    """pack_rows (the bucket-wise index format): ``⌈n/8⌉·bits`` bytes per row, each row's bytes its own
+    (one worker's row packed alone is that row of the batch), and unpacking a strided view of gathered
+    rows gives every row's codes back."""
+    codes = torch.randint(0, 2**bits, (3, numel), dtype=torch.int64)
+    packed = pack_rows(codes, bits)
+    assert packed.shape == (3, packed_nbytes(numel, bits)) and packed.dtype == torch.uint8
+    assert all(torch.equal(pack_rows(codes[row], bits), packed[row]) for row in range(3))
+    gathered = torch.zeros(3, packed.shape[1] + 4, dtype=torch.uint8)  # rows of a gathered buffer, padded
+    gathered[:, :packed.shape[1]] = packed
+    assert torch.equal(unpack_rows(gathered[:, :packed.shape[1]], bits, numel), codes)
 
 
 def test_names_build_default_instances() -> None:

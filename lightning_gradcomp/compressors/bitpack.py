@@ -17,6 +17,7 @@ Wider codes are split into their low byte and the remaining high bits; every gro
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -211,9 +212,13 @@ def _grouped_constants(bits: int, device: torch.device) -> tuple[Tensor, Tensor,
 def pack_rows(codes: Tensor, bits: int) -> Tensor:
     """Codes of ``bits`` bits (non-negative integers, ``(..., n)``) packed row by row over the last
     dimension, in a few operations whatever the number of rows: every row of ``n`` codes becomes
-    ``⌈n/8⌉·bits`` bytes (as :func:`pack` counts), groups of 8 codes filling ``bits`` bytes each. A
-    row's bytes depend on that row alone, so rows packed apart (one per worker) unpack together
-    (:func:`unpack_rows`)."""
+    ``⌈n/8⌉·bits`` bytes (as :func:`pack` counts). A row's bytes depend on that row alone, so rows packed
+    apart (one per worker) unpack together (:func:`unpack_rows`).
+
+    Layouts: up to 8 bits :func:`pack_grouped`'s; wider codes whose smallest whole-byte group fits a
+    64-bit word (10, 12, 14, 16, 20, 24, 32 bits: 12-bit codes two to 3 bytes) as that group's word
+    ``Σ_j c_j·2^(j·bits)``, its low bytes in little-endian order (three operations each way); other
+    widths as :func:`pack` lays out groups of 8."""
     if not 1 <= bits <= MAX_BITS:
         raise ValueError(f"`bits` must be in [1, {MAX_BITS}], got {bits}")
     leading, numel = codes.shape[:-1], codes.shape[-1]
@@ -222,6 +227,12 @@ def pack_rows(codes: Tensor, bits: int) -> Tensor:
         codes = torch.nn.functional.pad(codes, (0, padding))
     if bits <= 8:
         return pack_grouped(codes.to(torch.uint8), bits)
+    word = _word_layout(bits)
+    if word is not None:
+        group, width = word
+        shifts = _word_shifts(bits, group, codes.device)
+        words = codes.view(*leading, -1, group).to(torch.int64).bitwise_left_shift(shifts).sum(dim=-1, keepdim=True)
+        return words.view(torch.uint8)[..., :width].reshape(*leading, -1)  # little-endian: the low bytes first
     groups = codes.reshape(-1, 8).to(torch.int64)
     return _pack_groups(groups, bits).view(*leading, -1)
 
@@ -232,5 +243,32 @@ def unpack_rows(packed: Tensor, bits: int, numel: int) -> Tensor:
     leading = packed.shape[:-1]
     if bits <= 8:
         return unpack_grouped(packed, bits, torch.int64)[..., :numel]
+    word = _word_layout(bits)
+    if word is not None:
+        group, width = word
+        words = torch.nn.functional.pad(packed.view(*leading, -1, width), (0, 8 - width)).view(torch.int64)
+        codes = words.bitwise_right_shift(_word_shifts(bits, group, packed.device)).bitwise_and_((1 << bits) - 1)
+        return codes.view(*leading, -1)[..., :numel]
     groups = packed.reshape(-1, bits)
     return _unpack_groups(groups, bits).view(*leading, -1)[..., :numel]
+
+
+def _word_layout(bits: int) -> Optional[tuple[int, int]]:
+    """``(codes, bytes)`` of the smallest group of ``bits > 8``-bit codes that fills whole bytes, where it
+    fits a 64-bit word (and the machine is little-endian, which :func:`pack_rows` reads words in);
+    ``None`` otherwise."""
+    group = 8 // math.gcd(8, bits)
+    if bits <= 8 or group * bits > 64 or sys.byteorder != "little":
+        return None
+    return group, group * bits // 8
+
+
+_WORD_SHIFTS: dict[tuple[int, str], Tensor] = {}
+
+
+def _word_shifts(bits: int, group: int, device: torch.device) -> Tensor:
+    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, int64, kept per device."""
+    key = (bits, str(device))
+    if key not in _WORD_SHIFTS:
+        _WORD_SHIFTS[key] = torch.arange(group, dtype=torch.int64, device=device) * bits
+    return _WORD_SHIFTS[key]

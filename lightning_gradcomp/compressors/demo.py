@@ -469,9 +469,9 @@ class DeMo(Compressor):
                 within = within.reshape(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
                 values = values.view(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
                 values = values.to(out.dtype)
-                sums = torch.zeros(group.tiles, group.tile, dtype=out.dtype, device=out.device)
+                sums, chosen = torch.zeros(2, group.tiles, group.tile, dtype=out.dtype, device=out.device).unbind()
                 sums.scatter_add_(1, within, values)
-                chosen = torch.zeros_like(sums).scatter_add_(1, within, torch.ones_like(values))
+                chosen.scatter_add_(1, within, torch.ones_like(values))
                 mean = sums.div_(chosen.clamp_min_(1.0)).view(group.tiles, group.a, group.b)
                 out.index_copy_(0, group.positions, inverse_tiles(mean).reshape(-1))
             if self.sign:

@@ -158,8 +158,9 @@ class PowerSGD(Compressor):
             (mean,) = yield Round([Mean(averaged)], last=True)
             return SegmentsOutcome(segments.numels, lambda residual: residual.zero_(),
                                    lambda out: out.index_copy_(0, batches.averaged_positions, mean.to(out.dtype)))
-        matrices = {shape: flat.index_select(0, positions).view(-1, shape[0], shape[1]).to(compute)
-                    for shape, positions in batches.positions.items()}
+        gathered = flat.index_select(0, batches.matrix_positions).to(compute)  # every matrix, group after group
+        matrices = {shape: gathered[start:stop].view(-1, shape[0], shape[1])
+                    for shape, (start, stop) in batches.matrix_spans.items()}
         q_flat = self._start_q_segments(state, batches, contexts, compute, device)
         q_views, offset = {}, 0
         for (n, m, r), members in batches.groups.items():
@@ -167,7 +168,7 @@ class PowerSGD(Compressor):
             offset += len(members) * m * r
         requests = [Mean(torch.bmm(matrices[shape], q_views[shape])) for shape in batches.groups]
         results = yield Round(requests + ([Mean(averaged)] if averaged is not None else []))
-        p_hats = {shape: orthogonalize_batched(p_mean.clone()) for shape, p_mean in zip(batches.groups, results)}
+        p_hats = batches.orthogonalize(results[:len(batches.groups)])
         averaged_mean = results[-1] if averaged is not None else None
         q_means = yield Round([Mean(torch.bmm(matrices[shape].transpose(1, 2), p_hats[shape]))
                                for shape in batches.groups], last=True)
@@ -175,22 +176,21 @@ class PowerSGD(Compressor):
         if self.warm_start:  # committed like the bucket on every worker; a void step keeps the last Q
             state.commit(Q_STATE, torch.cat([q_means[shape].reshape(-1) for shape in batches.groups]),
                          batches.q_layout, check_result=True)
-        products: dict = {}
+        products: list[Tensor] = []
 
-        def product(shape: tuple[int, int, int]) -> Tensor:
-            if shape not in products:
-                products[shape] = torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
-            return products[shape]
+        def product() -> Tensor:  # every matrix's P̂ Qᵀ, group after group (as matrix_positions)
+            if not products:
+                pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1) for shape in batches.groups]
+                products.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+            return products[0]
 
         def subtract(residual: Tensor) -> None:
-            for shape, positions in batches.positions.items():
-                residual.index_add_(0, positions, product(shape).to(residual.dtype), alpha=-1.0)
+            residual.index_add_(0, batches.matrix_positions, product().to(residual.dtype), alpha=-1.0)
             if averaged is not None:
                 residual.index_fill_(0, batches.averaged_positions, 0.0)
 
         def write(out: Tensor) -> None:
-            for shape, positions in batches.positions.items():
-                out.index_copy_(0, positions, product(shape).to(out.dtype))
+            out.index_copy_(0, batches.matrix_positions, product().to(out.dtype))
             if averaged_mean is not None:
                 out.index_copy_(0, batches.averaged_positions, averaged_mean.to(out.dtype))
 
@@ -251,8 +251,40 @@ class _Batches:
                                                      segments.starts[index] + segments.numels[index])
                                         for index in indices]), device)
 
-        self.positions = {shape: positions(members) for shape, members in self.groups.items()}
+        #: every compressed matrix's elements in the flat buffer, group after group; each group's span of it
+        self.matrix_positions = positions(order)
+        self.matrix_spans: dict[tuple[int, int, int], tuple[int, int]] = {}
+        start = 0
+        for (n, m, r), members in self.groups.items():
+            self.matrix_spans[(n, m, r)] = (start, start + len(members) * n * m)
+            start += len(members) * n * m
         self.averaged_positions = positions(self.averaged)
+        # Gram–Schmidt of every group's P at once: one zero-padded (matrices, n_max, r_max) batch
+        self.n_max = max((n for n, _, _ in self.groups), default=0)
+        self.r_max = max((r for _, _, r in self.groups), default=0)
+        self.batch = len(order)
+        pad_index, first = [], 0
+        for (n, m, r), members in self.groups.items():
+            rows = torch.arange(first, first + len(members)).view(-1, 1, 1) * self.n_max + torch.arange(n).view(1, -1, 1)
+            pad_index.append((rows * self.r_max + torch.arange(r).view(1, 1, -1)).reshape(-1))
+            first += len(members)
+        self.pad_index = to_device(torch.cat(pad_index), device) if pad_index else None
+
+    def orthogonalize(self, p_means: Sequence[Tensor]) -> dict[tuple[int, int, int], Tensor]:
+        """:func:`orthogonalize_batched` of every group's averaged ``P`` (read-only results): one batch for
+        a single group; for several, one zero-padded batch of them all (zero rows and trailing zero
+        columns change no column's norm or projection) and views of it per group."""
+        shapes = list(self.groups)
+        if len(shapes) == 1:
+            return {shapes[0]: orthogonalize_batched(p_means[0].clone())}
+        padded = p_means[0].new_zeros(self.batch * self.n_max * self.r_max)
+        padded.index_copy_(0, self.pad_index, torch.cat([p_mean.reshape(-1) for p_mean in p_means]))
+        batch = orthogonalize_batched(padded.view(self.batch, self.n_max, self.r_max))
+        views, first = {}, 0
+        for (n, m, r), members in self.groups.items():
+            views[(n, m, r)] = batch[first:first + len(members), :n, :r]
+            first += len(members)
+        return views
 
 
 def orthogonalize_batched(matrices: Tensor) -> Tensor:
