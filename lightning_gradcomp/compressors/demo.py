@@ -304,15 +304,24 @@ class DeMo(Compressor):
         tiling = self.tiling(tensor.numel(), ctx.shape)
         self._warn_whole_tiles(tiling, ctx)
         momentum = self._momentum(tiling.encode(tensor.to(state_dtype(tensor.dtype))), ctx)
-        # nan_to_num: a non-finite gradient (voided by the bucket's verdict) must still give valid indices
-        chosen = momentum.abs().nan_to_num_(0.0).topk(tiling.k, dim=1, sorted=False).indices
-        selected = momentum.gather(1, chosen)
-        values = self._wire_values(selected, self._value_dtype(ctx.wire_dtype(tensor)))
-        payload = Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
-                          tiling.count, tiling)
-        momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))  # 0, or what rounding lost
+        chosen, values = self._select(momentum, tiling.k, self._value_dtype(ctx.wire_dtype(tensor)))
         ctx.commit(MOMENTUM, momentum)
-        return payload
+        return Payload((pack(chosen.reshape(-1), tiling.index_bits), values.reshape(-1)), tensor.numel(),
+                       tiling.count, tiling)
+
+    def _select(self, momentum: Tensor, k: int, wire: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Steps 4 and 5 on ``(tiles, a·b)`` coefficients: per tile the ``k`` of largest magnitude (``topk``
+        ranks NaN highest, so a non-finite gradient, voided by the bucket's verdict, still gives valid
+        indices) and their values in the wire's dtype; what was sent leaves the momentum, in place (all of
+        it, or what rounding to a 16-bit dtype lost). Returns ``(indices, values)``."""
+        chosen = momentum.abs().topk(k, dim=1, sorted=False).indices
+        selected = momentum.gather(1, chosen)
+        if wire == momentum.dtype:  # sent exactly
+            momentum.scatter_(1, chosen, 0.0)
+            return chosen, selected
+        values = self._wire_values(selected, wire)
+        momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))
+        return chosen, values
 
     def _warn_whole_tiles(self, tiling: Tiling, ctx: CompressContext) -> None:
         """Warn once per parameter whose tiles are sent whole (e.g. a prime dimension: 1-wide tiles)."""
@@ -449,10 +458,7 @@ class DeMo(Compressor):
             else:
                 torch.add(scaled, previous[group.start:group.stop].view(group.tiles, group.tile), alpha=self.decay,
                           out=current)
-            chosen = current.abs().nan_to_num_(0.0).topk(group.k, dim=1, sorted=False).indices
-            selected = current.gather(1, chosen)
-            values = self._wire_values(selected, wire)
-            current.scatter_(1, chosen, selected.sub_(values.to(current.dtype)))
+            chosen, values = self._select(current, group.k, wire)
             parts += [pack_rows(chosen.view(-1), group.bits), values.view(-1)]
             selections.append((chosen, values))
         if plan.to_segments is not None:
