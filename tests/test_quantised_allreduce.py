@@ -100,7 +100,8 @@ def test_fp8_formats_and_bad_arguments() -> None:
 def test_fp4_rounds_to_the_nearest_value_ties_to_the_even_magnitude_and_keeps_signs(format: str, values) -> None:
     """Every midpoint between neighbouring values (a tie) goes to the value of even magnitude index, every
     value next to a midpoint to its nearest value, on both sides of zero; tiny negatives decode as
-    ``-0.0`` (``-0.0`` itself equals 0: ``+0.0``). The block's peak (``F``, the format's largest value) fixes the scale at 1."""
+    ``-0.0`` (``-0.0`` itself equals 0: ``+0.0``). The block's peak (``F``, the format's largest value)
+    fixes the scale at 1."""
     compressor = FP4AllReduce(format=format, block_size=8)
     top = values[-1]
     probes, expected = [], []

@@ -180,7 +180,8 @@ class PowerSGD(Compressor):
 
         def product() -> Tensor:  # every matrix's P̂ Qᵀ, group after group (as matrix_positions)
             if not products:
-                pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1) for shape in batches.groups]
+                pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
+                          for shape in batches.groups]
                 products.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             return products[0]
 
@@ -265,7 +266,8 @@ class _Batches:
         self.batch = len(order)
         pad_index, first = [], 0
         for (n, m, r), members in self.groups.items():
-            rows = torch.arange(first, first + len(members)).view(-1, 1, 1) * self.n_max + torch.arange(n).view(1, -1, 1)
+            matrices = torch.arange(first, first + len(members)).view(-1, 1, 1)
+            rows = matrices * self.n_max + torch.arange(n).view(1, -1, 1)
             pad_index.append((rows * self.r_max + torch.arange(r).view(1, 1, -1)).reshape(-1))
             first += len(members)
         self.pad_index = to_device(torch.cat(pad_index), device) if pad_index else None

@@ -352,8 +352,9 @@ class FP8AllReduce(_QuantisedAllReduce):
         return values.mul_(scales.unsqueeze(-1))
 
 
-#: magnitudes of the 4-bit float formats (with a sign bit on top): E2M1 is OCP's MX FP4 (2 exponent bits, 1
-#: mantissa bit); E3M0 has 3 exponent bits and no mantissa (powers of two), its lowest code standing for 0
+#: magnitudes of the 4-bit float formats (the 16 values are these and their negatives): E2M1 is OCP's MX FP4
+#: (2 exponent bits, 1 mantissa bit); E3M0 has 3 exponent bits and no mantissa (powers of two), its lowest
+#: code standing for 0
 FP4_MAGNITUDES = {
     "e2m1": (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
     "e3m0": (0.0, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0),
@@ -426,15 +427,16 @@ _INT4_LEVELS = tuple(float(code - 8) for code in range(16))
 def _fp4_values(magnitudes: Sequence[float]) -> list[float]:
     """The 16 signed values of a 4-bit float format in ascending order, ``-0.0`` before ``+0.0``: code
     ``i`` stands for value ``i``."""
-    return [-m for m in reversed(magnitudes)][:-1] + [-0.0] + list(magnitudes)
+    return [-m for m in reversed(magnitudes)] + list(magnitudes)  # -(0.0) is -0.0
 
 
 def _fp4_boundaries(magnitudes: Sequence[float]) -> tuple[Tensor, Tensor]:
-    """:func:`_fp4_values` as an fp32 tensor, and the 15 fp32 boundaries between neighbours for ``bucketize(right=True)``: a value at or above boundary
-    ``i`` is encoded as value ``i + 1`` or higher. A boundary is the midpoint of its neighbours, moved up
-    one float where the tie belongs to the lower neighbour (ties go to the even magnitude index: of two
-    neighbours, exactly one); ``+0.0`` starts at 0, so that every negative value keeps its sign (tiny
-    ones decode as ``-0.0``; ``-0.0`` itself equals 0 and decodes as ``+0.0``)."""
+    """:func:`_fp4_values` as an fp32 tensor, and the 15 fp32 boundaries between neighbours for
+    ``bucketize(right=True)``: a value at or above boundary ``i`` is encoded as value ``i + 1`` or higher.
+    A boundary is the midpoint of its neighbours, moved up one float where the tie belongs to the lower
+    neighbour (ties go to the even magnitude index: of two neighbours, exactly one); ``+0.0`` starts at 0,
+    so that every negative value keeps its sign (tiny ones decode as ``-0.0``; ``-0.0`` itself equals 0
+    and decodes as ``+0.0``)."""
     signed = _fp4_values(magnitudes)
     values = torch.tensor(signed, dtype=torch.float32)
     middles = (values[:-1] + values[1:]) / 2  # exact: the values are dyadic
