@@ -41,6 +41,7 @@ from torch import Tensor
 
 # The helpers a compressor needs, importable from here by compressor authors:
 from lightning_gradcomp.core.checks import check_bool, check_density, check_int  # noqa: F401
+from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import Gather, Mean, Outcome, Protocol, Round, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 from lightning_gradcomp.core.tensors import (  # noqa: F401
@@ -323,6 +324,12 @@ class Compressor(ABC):
         the casts): the same values as :meth:`dense` of every tensor, in a fixed number of operations.
         ``None`` (default): :meth:`dense` per tensor. Used with :meth:`segment_alignment`."""
         return None
+
+    def _whole_flat_buffer_on_accelerators(self, device: torch.device, owner: type) -> Optional[int]:
+        """The :meth:`segment_alignment` of a compressor that takes the bucket's flat buffer as it is
+        (alignment 1) on accelerators, where this object's per-tensor methods are ``owner``'s; ``None``
+        (per tensor) on the CPU, where kernel launches cost nothing, or for a subclass that overrides one."""
+        return None if host_reads_allowed(device) or not self._per_tensor_path_is(owner) else 1
 
     def _per_tensor_path_is(self, owner: type) -> bool:
         """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of

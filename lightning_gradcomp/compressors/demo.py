@@ -75,7 +75,7 @@ from lightning_gradcomp.compressors.base import (
     squared_norm,
 )
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
-from lightning_gradcomp.core.device import host_reads_allowed, state_dtype, to_device
+from lightning_gradcomp.core.device import state_dtype, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -404,14 +404,10 @@ class DeMo(Compressor):
 
     # ------------------------------------------------------------------ a whole bucket at once
     def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The flat buffer as it is (alignment 1) on accelerators, unless a subclass changed a per-tensor
-        method; per tensor on the CPU."""
-        if host_reads_allowed(device) or not self._per_tensor_path_is(DeMo):
-            return None
-        return 1
+        return self._whole_flat_buffer_on_accelerators(device, DeMo)
 
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
-        return True
+        return True  # any sizes: the plan of groups handles each tensor's shape
 
     def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                        state: SegmentsState) -> Optional[Tensor]:

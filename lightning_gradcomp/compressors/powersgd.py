@@ -16,7 +16,7 @@ from lightning_gradcomp.compressors.base import (
     check_bool,
     check_int,
 )
-from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
+from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -134,13 +134,10 @@ class PowerSGD(Compressor):
 
     # ------------------------------------------------------------------ a whole bucket at once
     def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The flat buffer as it is, on accelerators; per tensor on the CPU."""
-        if host_reads_allowed(device) or not self._per_tensor_path_is(PowerSGD):
-            return None
-        return 1
+        return self._whole_flat_buffer_on_accelerators(device, PowerSGD)
 
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
-        return True
+        return True  # any sizes: the plan of groups handles each tensor's shape
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:

@@ -39,7 +39,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
 from lightning_gradcomp.core.checks import check_int
-from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.device import to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -183,14 +183,10 @@ class SparseLoCo(Compressor):
 
     # ------------------------------------------------------------------ a whole bucket at once
     def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The flat buffer as it is (alignment 1) on accelerators, unless a subclass changed a per-tensor
-        method; per tensor on the CPU."""
-        if host_reads_allowed(device) or not self._per_tensor_path_is(SparseLoCo):
-            return None
-        return 1
+        return self._whole_flat_buffer_on_accelerators(device, SparseLoCo)
 
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
-        return True
+        return True  # any sizes: the plan of groups handles each tensor's shape
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
