@@ -39,6 +39,9 @@ class _NoHostReads(TorchDispatchMode):
         if name == "aten::index" and any(isinstance(index, torch.Tensor) and index.dtype == torch.bool
                                          for index in (args[1] if len(args) > 1 else []) if index is not None):
             raise HostReadError("host synchronisation inside the exchange: indexing with a boolean mask")
+        if name == "aten::segment_reduce" and not (kwargs or {}).get("unsafe", False):
+            # its checks of the lengths read them on the host (inside the kernel, invisible to this mode)
+            raise HostReadError("host synchronisation inside the exchange: segment_reduce without unsafe=True")
         return func(*args, **(kwargs or {}))
 
 

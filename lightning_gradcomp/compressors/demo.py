@@ -490,7 +490,7 @@ class DeMo(Compressor):
             kept = state.get(MOMENTUM, plan.layout)
             carried = torch.stack(torch._foreach_norm(plan.layout.views(kept))).double().square()
             sent_sq = torch.cat([torch.segment_reduce(values.double().square().view(-1), "sum",
-                                                      lengths=group.counts)
+                                                      lengths=group.counts, unsafe=True)
                                  for group, (_, values) in zip(plan.groups, selections)])
             if plan.member_order is not None:
                 sent_sq = sent_sq.index_select(0, plan.member_order)

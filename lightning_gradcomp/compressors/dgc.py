@@ -214,7 +214,7 @@ class DGC(HasDensity, _ValuesAndIndices):
             carried = torch.stack(torch._foreach_norm(segments.views(kept))).double().square()
             lengths = segments.constant(("dgc-counts", tuple(counts)), sent.device,
                                         lambda device: to_device(torch.tensor(counts), device))
-            sent_sq = torch.segment_reduce(sent.double().square(), "sum", lengths=lengths)
+            sent_sq = torch.segment_reduce(sent.double().square(), "sum", lengths=lengths, unsafe=True)
             return carried, carried + sent_sq
 
         outcome.error = error

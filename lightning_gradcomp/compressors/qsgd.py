@@ -159,7 +159,7 @@ class QSGD(Compressor):
     def _tensor_norms(self, rows: Tensor, segments: Segments) -> Tensor:
         """``||v||_2`` per tensor from its rows."""
         squares = torch.linalg.vector_norm(rows, dim=1).square_()
-        return torch.segment_reduce(squares, "sum", lengths=segments.row_lengths(rows.device)).sqrt_()
+        return torch.segment_reduce(squares, "sum", lengths=segments.row_lengths(rows.device), unsafe=True).sqrt_()
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:

@@ -290,7 +290,7 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
     grid = flat.view(-1, block)
     peaks = peak_magnitudes(grid, 1)
     # a peak is NaN or infinite exactly when an element of its row is; NaN < inf is false too
-    finite = (torch.segment_reduce(peaks, "max", lengths=segments.row_lengths(device)).lt(math.inf)
+    finite = (torch.segment_reduce(peaks, "max", lengths=segments.row_lengths(device), unsafe=True).lt(math.inf)
               if report_finite else None)
     plan = _segmented_plan(segments, tuple(ks), device)
     kept = plan.template.clone() if plan.pruned else plan.template

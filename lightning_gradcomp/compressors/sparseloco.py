@@ -282,9 +282,9 @@ def _mean_and_deviation(values: Tensor, lengths: Tensor, member: Optional[Tensor
     """Per segment of ``values`` (``lengths``; ``member``: each value's segment, needed for more than one),
     the mean ``μ`` and the deviation ``σ = √(mean((v − μ)²))``, by segmented reductions: one tensor's
     statistics are the same numbers per tensor and in a bucket (the same reduction over the same values)."""
-    mean = torch.segment_reduce(values, "mean", lengths=lengths)
+    mean = torch.segment_reduce(values, "mean", lengths=lengths, unsafe=True)
     centered = values - (mean if member is None else mean.index_select(0, member))
-    return mean, torch.segment_reduce(centered.square(), "mean", lengths=lengths).sqrt_()
+    return mean, torch.segment_reduce(centered.square(), "mean", lengths=lengths, unsafe=True).sqrt_()
 
 
 _ONE_SEGMENT: dict[tuple[int, str], Tensor] = {}

@@ -81,7 +81,7 @@ class TernGrad(QSGD):
     def _tensor_norms(self, rows: Tensor, segments: Segments) -> Tensor:
         """``s = ||v||_inf`` per tensor: its rows' peaks, then the largest per tensor."""
         return torch.segment_reduce(torch.linalg.vector_norm(rows, math.inf, dim=1), "max",
-                                    lengths=segments.row_lengths(rows.device))
+                                    lengths=segments.row_lengths(rows.device), unsafe=True)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         if self.clip_sigma is not None and tensor.numel() > 1:
