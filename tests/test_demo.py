@@ -308,3 +308,35 @@ def test_telemetry_counts_what_stays_in_the_momentum_as_the_error() -> None:
     momentum = exchange.pipelines[0].memory.states["w"][MOMENTUM]
     assert exchange.totals.error_sq == pytest.approx(float(momentum.double().pow(2).sum()), rel=1e-5)
     assert exchange.totals.grad_sq == pytest.approx(float(g.double().pow(2).sum()), rel=1e-5)  # orthonormal
+
+
+def test_the_bucket_wise_subtract_takes_back_what_was_sent() -> None:
+    """``SegmentsOutcome.subtract`` of DeMo's whole-bucket path (its telemetry uses its own ``error``, but the
+    protocol promises it): ``δ -= IDCT(S)`` per tensor, as the per-tensor path's ``accumulate(alpha=-1)``."""
+    from lightning_gradcomp.compressors.base import CompressContext
+    from lightning_gradcomp.core.protocol import Received
+    from lightning_gradcomp.core.segments import Segments
+
+    demo = DeMo(chunk=16, k=5)
+    segments = Segments(tuple(SHAPES), tuple(SHAPES.values()), 1)
+    flat = torch.randn(segments.total, generator=torch.Generator().manual_seed(0))
+
+    class Empty:  # no state yet
+        def get(self, key, layout=None):
+            return None
+
+        def commit(self, key, new, layout=None, check_result=False):
+            pass
+
+    contexts = [CompressContext(name=name, shape=shape, world_size=1) for name, shape in SHAPES.items()]
+    protocol = demo.exchange_segments(flat, segments, contexts, Empty())
+    round_ = next(protocol)
+    with pytest.raises(StopIteration) as stop:
+        protocol.send([[Received(round_.requests[0].parts, None)]])
+    taken = flat.clone()
+    stop.value.value.subtract(taken)
+    for (name, shape), view, after in zip(SHAPES.items(), segments.views(flat), segments.views(taken)):
+        expected = view.clone()
+        ctx = CompressContext(name=name, shape=shape, world_size=1)
+        demo.accumulate(demo.compress(view.clone(), ctx), expected, alpha=-1.0)
+        torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)

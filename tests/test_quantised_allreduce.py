@@ -121,10 +121,11 @@ def test_fp4_rounds_to_the_nearest_value_ties_to_the_even_magnitude_and_keeps_si
     decoded = compressor._decode(*compressor._encode(blocks))[:, 1:].reshape(-1)[: len(probes)]
     assert decoded.tolist() == expected
     assert torch.equal(torch.signbit(decoded), torch.signbit(torch.tensor(expected)))
-    codes, scales, sent = compressor._quantise_rows(blocks.view(1, -1, 8))  # the bucket-wise codec agrees
-    assert torch.equal(compressor._dequantise_rows(codes, scales).view(-1, 8), compressor._decode(
-        *compressor._encode(blocks)))
-    assert torch.equal(sent().view(-1, 8), compressor._decode(*compressor._encode(blocks)))
+    for hold in (False, True):  # the bucket-wise codec agrees
+        codes, scales, sent = compressor._quantise_rows(blocks.view(1, -1, 8), hold=hold)
+        assert torch.equal(compressor._dequantise_rows(codes, scales).view(-1, 8), compressor._decode(
+            *compressor._encode(blocks)))
+        assert torch.equal(sent().view(-1, 8), compressor._decode(*compressor._encode(blocks)))
 
 
 def test_fp4_formats_and_bad_arguments() -> None:

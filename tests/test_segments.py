@@ -49,6 +49,8 @@ SEGMENTED = [
     ("sparseloco", lambda: COMPRESSORS["sparseloco"](chunk=128, k=8)),
     ("sparseloco-values-all", lambda: COMPRESSORS["sparseloco"](chunk=256, k=4, bits=None, aggregate="all")),
     ("sparseloco-3-bit-all-padded", lambda: COMPRESSORS["sparseloco"](chunk=100, k=7, bits=3, aggregate="all")),
+    ("sparseloco-four-chunk-lengths", lambda: COMPRESSORS["sparseloco"](chunk=1024, k=16)),
+    ("demo-groups-out-of-order", lambda: COMPRESSORS["demo"](chunk=4, k=2)),
     ("demo", lambda: COMPRESSORS["demo"](chunk=8, k=4)),
     ("demo-bf16-unsigned", lambda: COMPRESSORS["demo"](chunk=16, k=8, sign=False, value_dtype="bfloat16")),
     ("powersgd-rank-4-cold-late", lambda: COMPRESSORS["powersgd"](rank=4, warm_start=False, start_step=2)),
@@ -132,6 +134,11 @@ def compare_paths(label: str, make, device: str) -> None:
             for name, residual in theirs.memory.residuals.items():
                 close = torch.isclose(ours.memory.residuals[name], residual, rtol=1e-5, atol=1e-5)
                 assert float(close.double().mean()) >= 0.99, (label, name)
+            for name, states in theirs.memory.states.items():
+                for key, value in states.items():
+                    assert ours.memory.states[name][key].shape == value.shape, (label, name, key)
+                    close = torch.isclose(ours.memory.states[name][key], value, rtol=1e-5, atol=1e-5)
+                    assert float(close.double().mean()) >= 0.99, (label, name, key)
             assert fast.totals.error_sq == pytest.approx(reference.totals.error_sq, rel=1e-2)
             continue
         for name, residual in theirs.memory.residuals.items():
@@ -178,6 +185,17 @@ def test_a_bucket_costs_at_most_40_plus_3_ops_per_tensor(name: str, tensors: int
     assert total <= bound(tensors), f"{name}, P={tensors}: {total} ops > {bound(tensors)}: {dict(counted.ops)}"
 
 
+def test_powersgd_orthogonalises_one_batch_per_shape_where_padding_would_be_large(monkeypatch) -> None:
+    """Below the padding limits (a tall matrix among short ones), one Gram–Schmidt per group of one
+    shape, with the same results."""
+    from lightning_gradcomp.compressors import powersgd
+
+    monkeypatch.setattr(powersgd, "PAD_LIMIT", 0)
+    monkeypatch.setattr(powersgd, "PAD_RATIO", 0)
+    with accelerator_path():
+        compare_paths("powersgd-unpadded", lambda: COMPRESSORS["powersgd"](), "cpu")
+
+
 @pytest.mark.parametrize("tensors", [1, 10, 100])
 def test_powersgd_with_a_shape_per_matrix_stays_within_the_budget(tensors: int) -> None:
     """Matrices of distinct shapes cannot share a batched product: three per shape (``P = MQ``, ``Q = MᵀP̂``,
@@ -188,7 +206,7 @@ def test_powersgd_with_a_shape_per_matrix_stays_within_the_budget(tensors: int) 
     assert total <= bound(tensors), total
 
 
-@pytest.mark.parametrize("name,ceiling", [("fp8", 45), ("int4", 49), ("fp4", 51), ("sparseloco", 69)])
+@pytest.mark.parametrize("name,ceiling", [("fp8", 45), ("int4", 50), ("fp4", 52), ("sparseloco", 69)])
 def test_a_few_compressors_cost_more_at_one_tensor_but_the_same_for_any_number(name: str, ceiling: int) -> None:
     """fp8, int4 and fp4 need a few more element-wise operations than int8 (a conversion, a table lookup,
     the packing of nibbles), SparseLoCo per group of chunks a selection, per-tensor statistics, a lookup

@@ -22,6 +22,11 @@ from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 Q_STATE = "q"
 
+#: elements of the zero-padded batch of every shape's ``P`` below which padding is always worth one batch,
+#: and above it the most padded elements per real one
+PAD_LIMIT = 1 << 22
+PAD_RATIO = 4
+
 
 class PowerSGD(Compressor):
     r"""Rank-``r`` PowerSGD with error feedback and warm start.
@@ -268,14 +273,20 @@ class _Batches:
             pad_index.append((rows * self.r_max + torch.arange(r).view(1, 1, -1)).reshape(-1))
             first += len(members)
         self.pad_index = to_device(torch.cat(pad_index), device) if pad_index else None
+        # one padded batch while it stays small (P is n·r per matrix: 330k elements for a ResNet-50 bucket)
+        # or within 4x the real P's: one tall matrix (an embedding) among many short ones would multiply the
+        # work; then one Gram–Schmidt per group
+        real = sum(len(members) * n * r for (n, _, r), members in self.groups.items())
+        self.pad_all = len(self.groups) > 1 and self.batch * self.n_max * self.r_max <= max(PAD_RATIO * real,
+                                                                                            PAD_LIMIT)
 
     def orthogonalize(self, p_means: Sequence[Tensor]) -> dict[tuple[int, int, int], Tensor]:
-        """:func:`orthogonalize_batched` of every group's averaged ``P`` (read-only results): one batch for
-        a single group; for several, one zero-padded batch of them all (zero rows and trailing zero
-        columns change no column's norm or projection) and views of it per group."""
-        shapes = list(self.groups)
-        if len(shapes) == 1:
-            return {shapes[0]: orthogonalize_batched(p_means[0].clone())}
+        """:func:`orthogonalize_batched` of every group's averaged ``P`` (read-only results): for several
+        groups one zero-padded batch of them all (zero rows and trailing zero columns change no column's
+        norm or projection) and views of it per group, unless the padded batch is both large
+        (:data:`PAD_LIMIT`) and more than 4x the real one; else one batch per group."""
+        if not self.pad_all:
+            return {shape: orthogonalize_batched(p_mean.clone()) for shape, p_mean in zip(self.groups, p_means)}
         padded = p_means[0].new_zeros(self.batch * self.n_max * self.r_max)
         padded.index_copy_(0, self.pad_index, torch.cat([p_mean.reshape(-1) for p_mean in p_means]))
         batch = orthogonalize_batched(padded.view(self.batch, self.n_max, self.r_max))

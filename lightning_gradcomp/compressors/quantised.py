@@ -142,11 +142,12 @@ class _QuantisedAllReduce(Compressor):
 
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+    def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """The bucket-wise codec of ``(..., blocks, block_size)`` fp32 blocks: ``(codes (..., bytes) uint8,
         scales (..., blocks), dequantised)``, the codes of every leading index packed on their own, and
-        ``dequantised()`` the values the codes stand for, ``Q(x)`` (computed on demand from what encoding
-        already has, without decoding the bytes). The same values as :meth:`_encode` / :meth:`_decode`."""
+        ``dequantised()`` the values the codes stand for, ``Q(x)``, on demand from what encoding has at hand.
+        ``hold``: it is called only after the exchange, so it keeps at most one byte per element meanwhile.
+        The same values as :meth:`_encode` / :meth:`_decode`."""
         raise NotImplementedError
 
     def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
@@ -174,11 +175,11 @@ class _QuantisedAllReduce(Compressor):
         elements; one gather; the chunks put back in place by one index."""
         workers, device = contexts[0].world_size, flat.device
         plan = _chunk_plan(segments, workers, self.block_size, device)
-        own = flat.index_select(0, plan.gather)
+        own = flat.index_select(0, plan.gather).to(torch.float32)  # fp32 codes and sums, as per tensor
         if plan.keep is not None:  # chunks padded to whole blocks: zeros there
             own.mul_(plan.keep)
-        own = own.view(workers, -1, self.block_size)
-        codes, scales, sent = self._quantise_rows(own)
+        codes, scales, sent = self._quantise_rows(own.view(workers, -1, self.block_size), hold=True)
+        del own  # not kept through the exchange: `sent` holds no more than the codes
         (versions,) = yield Round([AllToAll([(codes[c], scales[c]) for c in range(workers)])])
 
         received = self._dequantise_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
@@ -193,8 +194,11 @@ class _QuantisedAllReduce(Compressor):
             state.commit(OWNER_RESIDUAL, owner_residual.view(-1), plan.owner_layout, check_result=True)
 
         def write(out: Tensor) -> None:
-            chunks = self._dequantise_rows(stacked(gathered, 0), stacked(gathered, 1))
-            torch.index_select(chunks.view(-1), 0, plan.scatter, out=out)
+            chunks = self._dequantise_rows(stacked(gathered, 0), stacked(gathered, 1)).view(-1)
+            if out.dtype == chunks.dtype:
+                torch.index_select(chunks, 0, plan.scatter, out=out)
+            else:  # fp64 gradients
+                out.copy_(chunks.index_select(0, plan.scatter))
 
         def subtract(residual: Tensor) -> None:
             residual.sub_(sent().view(-1).index_select(0, plan.scatter).to(residual.dtype))
@@ -252,14 +256,13 @@ class Int8AllReduce(_QuantisedAllReduce):
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
         return codes.view(torch.uint8).reshape(-1), scales
 
-    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+    def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """:meth:`_encode` without its clamp, which changes no finite value: ``|x| <= peak`` makes
-        ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5. The rounded levels times the
-        scales are the decoded values (int8 codes times fp32 scales are the same products)."""
+        ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5."""
         scales = self._block_scales(blocks)
-        levels = torch.round(blocks / scales.unsqueeze(-1))
-        codes = levels.to(torch.int8).view(torch.uint8).view(*blocks.shape[:-2], -1)
-        return codes, scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
+        codes = torch.round(blocks / scales.unsqueeze(-1)).to(torch.int8).view(torch.uint8)
+        codes = codes.view(*blocks.shape[:-2], -1)
+        return codes, scales, lambda: self._dequantise_rows(codes, scales)
 
     def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
         """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
@@ -288,7 +291,7 @@ class Int4AllReduce(_QuantisedAllReduce):
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
         return pack(codes.reshape(-1), 4), scales
 
-    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+    def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """Levels ``r = round(x/s)`` (within ``[-7, 7]`` without a clamp, as for int8); two consecutive codes
         ``r + 8`` per byte, the first in the low nibble: ``(r₀+8) + 16(r₁+8)``, one matrix-vector product of
         the pairs with ``(1, 16)`` plus 136 (exact: small integers)."""
@@ -296,6 +299,8 @@ class Int4AllReduce(_QuantisedAllReduce):
         levels = torch.round(blocks / scales.unsqueeze(-1))
         weights, offset = _pair_weights(blocks.device)
         codes = torch.addmv(offset, levels.view(-1, 2), weights).to(torch.uint8)
+        if hold:  # one byte per element until `dequantised` (int8 x fp32: the same products)
+            levels = levels.to(torch.int8)
         return codes.view(*blocks.shape[:-2], -1), scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
 
     def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
@@ -339,7 +344,7 @@ class FP8AllReduce(_QuantisedAllReduce):
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return codes.view(self._dtype).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
 
-    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+    def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """:meth:`_encode` without its clamp, which changes no finite value: ``|x / s|`` exceeds ``F`` by at
         most two roundings, far below the midpoint to the next (invalid) code."""
         scales = self._block_scales(blocks)
@@ -405,14 +410,16 @@ class FP4AllReduce(_QuantisedAllReduce):
         values = _fp4_table(self.format, codes.device)[0].index_select(0, ranks)
         return values.view(scales.numel(), -1).mul_(scales.unsqueeze(1))
 
-    def _quantise_rows(self, blocks: Tensor) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
+    def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """Codes as int32 ranks; two consecutive ones per byte, the first in the low nibble."""
         scales = self._block_scales(blocks)
         ranks = self._codes(blocks / scales.unsqueeze(-1), out_int32=True)
         pairs = ranks.view(-1, 2)
         codes = torch.add(pairs[:, 0], pairs[:, 1], alpha=16).to(torch.uint8).view(*blocks.shape[:-2], -1)
-        values = _fp4_table(self.format, blocks.device)[0]
-        return codes, scales, lambda: values.index_select(0, ranks.view(-1)).view_as(blocks).mul_(scales.unsqueeze(-1))
+        if hold:  # decoded from the packed codes later (half a byte per element meanwhile)
+            return codes, scales, lambda: self._dequantise_rows(codes, scales)
+        values, shape = _fp4_table(self.format, blocks.device)[0], blocks.shape
+        return codes, scales, lambda: values.index_select(0, ranks.view(-1)).view(shape).mul_(scales.unsqueeze(-1))
 
     def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
         table = _nibble_pairs(_fp4_values(FP4_MAGNITUDES[self.format]), codes.device)

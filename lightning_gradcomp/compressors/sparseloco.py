@@ -18,8 +18,8 @@ costs 64·(12 + 2)/8 bytes + 16 per tensor per 4096 elements: about 146x fewer b
 
 On accelerators a whole bucket is compressed at once (:meth:`SparseLoCo.exchange_segments`): the tensors
 grouped by chunk length, each group's chunks gathered into one matrix, selected by one ``topk``, the
-per-tensor statistics and lookups by segmented reductions; the same values as per tensor up to rounding
-(the standard deviation is reduced in another order).
+per-tensor statistics and lookups by segmented reductions (the per-tensor path reduces its statistics
+the same way): the same values as per tensor, bit for bit.
 
 Chunks here are contiguous runs of ``L`` elements of the flattened tensor (the paper tiles 2-D weights
 in 64 x 64 blocks; for a row-major weight whose rows hold at least ``L`` elements the two coincide
@@ -221,7 +221,7 @@ class SparseLoCo(Compressor):
                 if group.keep is not None:  # a chosen padding entry decodes to its bin's value: not sent
                     decoded = decoded.mul_(group.keep.view(group.rows, group.length).gather(1, within).view(-1))
             sent.append((positions, decoded))
-            accumulator.index_add_(0, positions, decoded, alpha=-1.0)  # padding: a 0 added at a real position
+            accumulator.index_add_(0, positions, decoded.to(accumulator.dtype), alpha=-1.0)  # padding: 0 added
         state.commit(ACCUMULATOR, accumulator)
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
         step = 2 if self.bits is None else 3
@@ -247,7 +247,7 @@ class SparseLoCo(Compressor):
                 if real is not None:  # a chosen padding entry adds 0 (at a real position)
                     values = values * real
                 if not chosen_mean:  # as per tensor: out += v / N, worker after worker
-                    out.index_add_(0, positions, values, alpha=1.0 / workers)
+                    out.index_add_(0, positions, values.to(out.dtype), alpha=1.0 / workers)
                     continue
                 sums.index_add_(0, positions, values)
                 chosen.index_add_(0, positions, torch.ones_like(values) if real is None else real)
@@ -265,6 +265,7 @@ class SparseLoCo(Compressor):
         one lookup of ``2^bits`` per member): ``(codes, keys, lookups)`` with ``keys = member·2^bits + code``,
         the index of each value's decoded value in ``lookups``."""
         levels = 2 ** self.bits
+        values = values.float()  # as per tensor: fp32 statistics and lookups, also for fp64 gradients
         member = group.member_of_value
         mean, std = _mean_and_deviation(values, group.value_lengths, member)
         step = (std * (6.0 / levels)).clamp_min_(torch.finfo(torch.float32).tiny)

@@ -143,8 +143,10 @@ class CompressionMemory:
             return None
         flat = torch.zeros(segments.total, dtype=dtype, device=device)
         for value, target, shape in zip(values, segments.views(flat), segments.shapes):
-            # another shape of a shaped state (DeMo's tiles after a change of `chunk`) is none, as per tensor
-            if value is not None and (tuple(value.shape) == shape if shaped else value.numel() == target.numel()):
+            # another shape is none, as per tensor: a shaped state's (DeMo's tiles after a change of `chunk`),
+            # or a flat one held with more dimensions (DeMo's tiles of a tensor now sent dense)
+            if value is not None and (tuple(value.shape) == shape if shaped
+                                      else value.dim() <= 1 and value.numel() == target.numel()):
                 target.copy_(value.reshape(-1))
         self._adopt(store, key, segments, flat, shaped)
         return flat

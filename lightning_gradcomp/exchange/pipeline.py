@@ -236,7 +236,8 @@ class _FlatState(SegmentsState):
         found = [self.memory.states.get(name, {}).get(key) for name in segments.names]
         if layout is not None:  # a shaped state of another shape is none (as :meth:`get` reads it)
             return [value is not None and tuple(value.shape) == shape for value, shape in zip(found, segments.shapes)]
-        return [value is not None and value.numel() == numel for value, numel in zip(found, segments.numels)]
+        return [value is not None and value.dim() <= 1 and value.numel() == numel
+                for value, numel in zip(found, segments.numels)]
 
     def commit(self, key: str, new: Tensor, layout: Optional[Segments] = None, check_result: bool = False) -> None:
         segments = layout or self.segments
