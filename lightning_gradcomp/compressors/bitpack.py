@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.scratch import scratch
+from lightning_gradcomp.core.device import device_constant
 
 MAX_BITS = 32
 
@@ -126,17 +127,11 @@ def _unpack_groups(groups: Tensor, bits: int) -> Tensor:
     return (words >> shifts) & ((1 << bits) - 1)
 
 
-_GROUP_SHIFTS: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
-
-
 def _group_shifts(bits: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """``(code shifts, byte shifts)`` of a group of 8 codes of ``bits < 8`` bits in ``bits`` bytes, as int64,
     kept per device."""
-    key = (bits, str(device))
-    if key not in _GROUP_SHIFTS:
-        _GROUP_SHIFTS[key] = (torch.arange(8, dtype=torch.int64, device=device) * bits,
-                              torch.arange(bits, dtype=torch.int64, device=device) * 8)
-    return _GROUP_SHIFTS[key]
+    return device_constant(("group shifts", bits), device, lambda: (torch.arange(8, dtype=torch.int64) * bits,
+                                                                   torch.arange(bits, dtype=torch.int64) * 8))
 
 
 def pack_signs(negative: Tensor) -> Tensor:
@@ -263,12 +258,6 @@ def _word_layout(bits: int) -> Optional[tuple[int, int]]:
     return group, group * bits // 8
 
 
-_WORD_SHIFTS: dict[tuple[int, str], Tensor] = {}
-
-
 def _word_shifts(bits: int, group: int, device: torch.device) -> Tensor:
     """``(0, bits, 2·bits, ...)``: each code's place in its group's word, int64, kept per device."""
-    key = (bits, str(device))
-    if key not in _WORD_SHIFTS:
-        _WORD_SHIFTS[key] = torch.arange(group, dtype=torch.int64, device=device) * bits
-    return _WORD_SHIFTS[key]
+    return device_constant(("word shifts", bits, group), device, lambda: torch.arange(group, dtype=torch.int64) * bits)

@@ -39,7 +39,7 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.compressors.selection import peak_magnitudes
-from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.device import device_constant, host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import (
     AllToAll,
     Gather,
@@ -453,29 +453,16 @@ def _fp4_boundaries(magnitudes: Sequence[float]) -> tuple[Tensor, Tensor]:
     return values, boundaries
 
 
-_FP4_TABLES: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
-
-
 def _fp4_table(format: str, device: torch.device) -> tuple[Tensor, Tensor]:
     """``(values, boundaries)`` of :func:`_fp4_boundaries` as fp32 tensors on ``device``, kept."""
-    key = (format, str(device))
-    if key not in _FP4_TABLES:
-        values, boundaries = _fp4_boundaries(FP4_MAGNITUDES[format])
-        _FP4_TABLES[key] = (to_device(values, device), to_device(boundaries, device))
-    return _FP4_TABLES[key]
-
-
-_NIBBLE_PAIRS: dict[tuple[tuple[float, ...], str], Tensor] = {}
+    return device_constant(("fp4", format), device, lambda: _fp4_boundaries(FP4_MAGNITUDES[format]))
 
 
 def _nibble_pairs(levels: Sequence[float], device: torch.device) -> Tensor:
     """A ``(256, 2)`` fp32 table: for each byte, the values of its low and high 4-bit codes (``levels``:
     the value of each code), kept per device."""
-    key = (tuple(levels), str(device))
-    if key not in _NIBBLE_PAIRS:
-        table = torch.tensor([[levels[byte & 15], levels[byte >> 4]] for byte in range(256)], dtype=torch.float32)
-        _NIBBLE_PAIRS[key] = to_device(table, device)
-    return _NIBBLE_PAIRS[key]
+    return device_constant(("nibble pairs", tuple(levels)), device, lambda: torch.tensor(
+        [[levels[byte & 15], levels[byte >> 4]] for byte in range(256)], dtype=torch.float32))
 
 
 def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_size: int) -> Tensor:
@@ -485,12 +472,6 @@ def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_siz
     return values.view(*scales.shape, block_size).mul_(scales.unsqueeze(-1))
 
 
-_PAIR_WEIGHTS: dict[str, tuple[Tensor, Tensor]] = {}
-
-
 def _pair_weights(device: torch.device) -> tuple[Tensor, Tensor]:
     """``((1, 16), 136)``: int4's byte of two levels ``r₀, r₁`` is ``(1, 16)·(r₀, r₁) + 136``."""
-    key = str(device)
-    if key not in _PAIR_WEIGHTS:
-        _PAIR_WEIGHTS[key] = (to_device(torch.tensor([1.0, 16.0]), device), to_device(torch.tensor(136.0), device))
-    return _PAIR_WEIGHTS[key]
+    return device_constant("int4 pair weights", device, lambda: (torch.tensor([1.0, 16.0]), torch.tensor(136.0)))

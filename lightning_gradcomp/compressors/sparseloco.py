@@ -39,7 +39,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
 from lightning_gradcomp.core.checks import check_int
-from lightning_gradcomp.core.device import to_device
+from lightning_gradcomp.core.device import device_constant, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -288,17 +288,9 @@ def _mean_and_deviation(values: Tensor, lengths: Tensor, member: Optional[Tensor
     return mean, torch.segment_reduce(centered.square(), "mean", lengths=lengths, unsafe=True).sqrt_()
 
 
-_ONE_SEGMENT: dict[tuple[int, str], Tensor] = {}
-
-
 def _one_segment(numel: int, device: torch.device) -> Tensor:
     """``[numel]`` as a segment length on ``device``, kept (no host copy in the steady state)."""
-    key = (numel, str(device))
-    if key not in _ONE_SEGMENT:
-        if len(_ONE_SEGMENT) >= 4096:
-            _ONE_SEGMENT.clear()
-        _ONE_SEGMENT[key] = to_device(torch.tensor([numel]), device)
-    return _ONE_SEGMENT[key]
+    return device_constant(("one segment", numel), device, lambda: torch.tensor([numel]))
 
 
 @dataclass

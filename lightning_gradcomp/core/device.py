@@ -19,7 +19,7 @@ without a GPU check that path (for instance with a ``TorchDispatchMode`` that fa
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -69,3 +69,23 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+#: constants kept per (key, device) by :func:`device_constant`
+_CONSTANTS: dict[tuple[Hashable, str], Any] = {}
+
+
+def device_constant(key: Hashable, device: torch.device, build: Callable[[], Any]) -> Any:
+    """A constant tensor (or tuple of tensors) that ``build()`` makes on the CPU, on ``device``, built
+    once per ``(key, device)`` and kept; copied with :func:`to_device`, so no host synchronisation even
+    the first time. Past 4096 keys the store starts over."""
+    slot = (key, str(device))
+    value = _CONSTANTS.get(slot)
+    if value is None:
+        if len(_CONSTANTS) >= 4096:
+            _CONSTANTS.clear()
+        built = build()
+        value = tuple(to_device(part, device) for part in built) if isinstance(built, tuple) else \
+            to_device(built, device)
+        _CONSTANTS[slot] = value
+    return value
