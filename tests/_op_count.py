@@ -101,6 +101,44 @@ def count_step_ops(make: Callable[[], Compressor], buckets: Sequence[dict[str, t
     return counter
 
 
+def layout_constant_bytes(make: Callable[[], Compressor], tensors: int, shape: tuple[int, ...] = SHAPE,
+                          workers: int = 2, dense_tensors: int = 0) -> int:
+    """Bytes of the tensors worker 0's engine keeps per bucket layout (``Segments.constant``: indices, masks,
+    plans), after two steps of a bucket as :func:`count_bucket_ops` builds it: on a GPU they stay in its
+    memory for as long as the buckets do."""
+    captured: list[SimulatedExchange] = []
+    original = SimulatedExchange.__init__
+
+    def capture(self: SimulatedExchange, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        captured.append(self)
+
+    SimulatedExchange.__init__ = capture  # type: ignore[method-assign]
+    try:
+        count_bucket_ops(make, tensors, steps=2, shape=shape, dense_tensors=dense_tensors, workers=workers)
+    finally:
+        SimulatedExchange.__init__ = original  # type: ignore[method-assign]
+    engine = captured[0].engines[0]
+    return sum(_tensor_bytes(value, set()) for layout in engine._layouts.values()
+               for value in layout._constants.values())
+
+
+def _tensor_bytes(value: Any, seen: set) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or containers and objects holding tensors), each once."""
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(item, seen) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item, seen) for item in value.values())
+    if hasattr(value, "__dict__"):
+        return sum(_tensor_bytes(item, seen) for item in vars(value).values())
+    return 0
+
+
 def ddp_buckets(model: torch.nn.Module, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                 itemsize: int = 4) -> list[dict[str, tuple[int, ...]]]:
     """``model``'s parameters in DDP's buckets: in reverse order of registration (about the order

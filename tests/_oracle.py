@@ -131,7 +131,7 @@ def _quantised_all_reduce(compressor: _QuantisedAllReduce, inputs: list[torch.Te
                           contexts: list[CompressContext]) -> torch.Tensor:
     """Per chunk: the mean of every worker's quantised version, plus its owner's residual, quantised."""
     workers, numel = len(inputs), inputs[0].numel()
-    chunk, padded = compressor._chunk(numel, workers)
+    chunk = padded = compressor._chunk(numel, workers)  # whole blocks; the last chunks hold the padding
     result = torch.zeros(numel, dtype=torch.float64)
     for owner in range(workers):
         start, stop = owner * chunk, min(numel, (owner + 1) * chunk)

@@ -340,3 +340,101 @@ def test_the_bucket_wise_subtract_takes_back_what_was_sent() -> None:
         ctx = CompressContext(name=name, shape=shape, world_size=1)
         demo.accumulate(demo.compress(view.clone(), ctx), expected, alpha=-1.0)
         torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+#: buckets (in the bucket's order, by name) for the bucket-wise reading of tiles with chunk=16: ``a`` and
+#: ``d`` (1-D, tiles of 1 x 15) are one group, read as runs of elements; in "bands" the 16 x 16 tiles of ``b``
+#: and ``c`` (48 columns, their starts a whole number of bands apart, not at the bucket's start) are read as
+#: bands, and ``e``'s tiles are as wide as it; in "runs" those of ``b``, ``d`` and ``e`` (48 and 32 columns)
+#: as single elements (the worst case). The groups are not in the bucket's order.
+TILE_LAYOUTS = {
+    "bands": {"a": (45,), "b": (32, 48), "c": (16, 48), "d": (150,), "e": (64, 10)},
+    "runs": {"a": (45,), "b": (32, 48), "c": (150,), "d": (16, 48), "e": (32, 32)},
+}
+
+
+@pytest.mark.parametrize("layout", TILE_LAYOUTS, ids=list(TILE_LAYOUTS))
+def test_the_bucket_wise_path_reads_and_writes_tiles_in_tile_order(layout: str) -> None:
+    """Each group's tiles, read from the bucket by one index of bands or runs, are the tensors' tiles in
+    tile order (``Tiling.encode``'s), and writing them back puts every element in its place."""
+    from lightning_gradcomp.compressors.demo import _TileGroups
+    from lightning_gradcomp.core.segments import Segments
+
+    shapes = TILE_LAYOUTS[layout]
+    segments = Segments(tuple(shapes), tuple(shapes.values()), 1)
+    plan = _TileGroups(DeMo(chunk=16, k=4), segments, torch.device("cpu"))
+    flat = torch.randn(segments.total, dtype=torch.float64)
+    members = {(tiling.a, tiling.b): [] for tiling in plan.tilings}
+    for index, tiling in enumerate(plan.tilings):
+        members[(tiling.a, tiling.b)].append(index)
+    written = torch.zeros_like(flat)
+    for group, indices in zip(plan.groups, members.values()):
+        expected = []
+        for index in indices:
+            tiling, view = plan.tilings[index], segments.views(flat)[index]
+            grid = view.view(tiling.rows // tiling.a, tiling.a, tiling.cols // tiling.b, tiling.b)
+            expected.append(grid.transpose(1, 2).reshape(-1, tiling.a, tiling.b))
+        tiles = group.read(flat)
+        assert torch.equal(tiles, torch.cat(expected))
+        group.add_to(written, tiles)
+        assert group.index.dtype == torch.int32
+    assert torch.equal(written, flat)
+    kinds = {(group.a, group.b): group.pieces.shape for group in plan.groups}
+    if layout == "bands":  # a band of 16 rows of b or c as its 3 tiles, offset by a; e as one band of 4 tiles
+        assert kinds == {(1, 15): (3,), (16, 16): (3, 16, 16), (16, 10): (1, 16, 10)}
+        assert plan.groups[1].pieces.offset == 45 and plan.groups[1].index.tolist() == [0, 1, 2]
+    else:
+        assert kinds == {(1, 15): (3,), (16, 16): (1,)}
+
+
+@pytest.mark.filterwarnings("ignore:DeMo. parameter")
+@pytest.mark.parametrize("layout", TILE_LAYOUTS, ids=list(TILE_LAYOUTS))
+def test_a_whole_bucket_equals_the_per_tensor_path_for_any_layout_of_tiles(layout: str) -> None:
+    """Three workers, a non-finite gradient at step 2 (the bucket voided, each tensor's momentum kept or
+    committed by its own flag), a bucket-wise momentum committed in rows as long as the sizes allow: the
+    results and every worker's momentum equal the per-tensor path's to rounding."""
+    shapes = TILE_LAYOUTS[layout]
+    runs = []
+    for bucket_wise in (False, True):
+        exchange = SimulatedExchange(DeMo(chunk=16, k=4, decay=0.9, sign=False), 3, min_compress_numel=0)
+        for engine in exchange.engines:
+            engine.segmented = bucket_wise
+        results = []
+        with accelerator_path():
+            for step in range(4):
+                for worker in range(3):
+                    generator = torch.Generator().manual_seed(100 * step + worker)
+                    grads = [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+                    if step == 2 and worker == 1:
+                        grads[1][1].view(-1)[7] = float("nan")
+                    exchange.add_worker(worker, grads)
+                with pytest.warns(RuntimeWarning, match="non-finite") if step == 2 else contextlib.nullcontext():
+                    results.append(exchange.finish_step())
+        runs.append((exchange, results))
+    (single, expected), (whole, actual) = runs
+    for want, got in zip(expected, actual):
+        for name in shapes:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, equal_nan=True)
+    for ours, theirs in zip(whole.pipelines, single.pipelines):
+        for name in shapes:
+            torch.testing.assert_close(ours.memory.states[name][MOMENTUM], theirs.memory.states[name][MOMENTUM],
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_a_bucket_keeps_an_index_per_band_or_per_run_not_per_element() -> None:
+    """Tensors with as many columns: an index per band of 64 rows (a few bytes per 64 x 1001 elements);
+    tensors of one tile shape and several column counts: an index per run of a tile's row (4 bytes per 64
+    elements); the momentum's layout in rows as long as the sizes allow."""
+    from lightning_gradcomp.compressors.demo import _TileGroups
+    from lightning_gradcomp.core.segments import Segments
+
+    def held(shapes: tuple) -> tuple[int, int, _TileGroups]:
+        segments = Segments(tuple(f"w{index}" for index in range(len(shapes))), shapes, 1)
+        plan = _TileGroups(DeMo(), segments, torch.device("cpu"))
+        indices = sum(group.index.numel() * group.index.element_size() for group in plan.groups)
+        return indices, segments.total, plan
+
+    indices, total, plan = held(((1000, 1001),) * 4)  # tiles of 50 x 13: 20 bands a tensor
+    assert indices == 4 * 20 * 4 and plan.layout.rows == 4
+    indices, total, plan = held(((768, 768), (768, 3072), (3072, 768)))  # tiles of 64 x 64
+    assert indices == total // 64 * 4 and plan.layout.rows == total // (768 * 768)

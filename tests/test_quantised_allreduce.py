@@ -132,3 +132,29 @@ def test_fp4_formats_and_bad_arguments() -> None:
     assert FP4AllReduce(format="e2m1").code_max == 6.0
     with pytest.raises(ValueError, match="`format` must be 'e3m0' or 'e2m1'"):
         FP4AllReduce(format="e4m3")
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("numel", [4 * 256 * 3, 5000, 200], ids=["whole-chunks", "padded", "one-block"])
+def test_a_lone_tensor_takes_the_bucket_path_without_an_index_and_equals_the_per_tensor_path(name: str,
+                                                                                           numel: int) -> None:
+    """A bucket with one compressed tensor (a large layer fills one of DDP's buckets) is chunked in place:
+    its blocks then zero blocks, no index; bit for bit the per-tensor protocol's results, residuals and owner
+    residuals, over steps (4 workers: chunks of whole blocks, the last ones padded or empty)."""
+    from lightning_gradcomp.core.device import accelerator_path
+
+    runs = []
+    for segmented in (False, True):
+        exchange = SimulatedExchange(MAKERS[name](), workers=4, min_compress_numel=1)
+        for engine in exchange.engines:
+            engine.segmented = segmented
+        with accelerator_path():
+            results = [_step(exchange, _grads(4, step, numel)) for step in range(3)]
+        runs.append((results, exchange))
+    (expected, reference), (actual, bucketed) = runs
+    for want, got in zip(expected, actual):
+        assert torch.equal(want, got)
+    for worker in range(4):
+        want_memory, got_memory = reference.pipelines[worker].memory, bucketed.pipelines[worker].memory
+        assert torch.equal(want_memory.residuals["w"], got_memory.residuals["w"])
+        assert torch.equal(want_memory.states["w"][OWNER_RESIDUAL], got_memory.states["w"][OWNER_RESIDUAL])

@@ -3,6 +3,7 @@ format counted at the collective, padding, the two aggregations, and its recipe 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import torch
 
 from lightning_gradcomp.compressors import SparseLoCo
 from lightning_gradcomp.compressors.bitpack import packed_nbytes
-from lightning_gradcomp.compressors.sparseloco import ACCUMULATOR
+from lightning_gradcomp.compressors.sparseloco import ACCUMULATOR, _ChunkGroups
+from lightning_gradcomp.core.device import accelerator_path
+from lightning_gradcomp.core.segments import Segments
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from tests.test_recipes import ROOT, _run_cli
 
@@ -144,3 +147,79 @@ def test_the_sparseloco_recipe_trains_end_to_end(tmp_path: Path) -> None:
     output = _run_cli(["fit", "--config", str(ROOT / "recipes/digits_sparseloco.yaml"), "--trainer.max_steps=45",
                        "--trainer.devices=1", "--trainer.logger=false"], tmp_path)
     assert "3 synchronisations in 45 optimizer steps" in output, output[-2000:]
+
+
+#: a bucket (in the bucket's order, by name) whose chunks are not a view of it: tensors of chunk length 64
+#: (k = 8) around one of its own length (``c``, 40 elements); ``a``'s and ``d``'s last chunks hold fewer than
+#: k real entries (padding is chosen), and ``d`` ends the bucket (a chosen padding entry's position would lie
+#: past its end); ``b`` fills whole chunks. The non-finite gradient is in ``a``, just before ``b``.
+SHORT_CHUNKS = {"a": (3 * 64 + 5,), "b": (2, 64), "c": (40,), "d": (2 * 64 + 3,)}
+
+#: whole chunks, one length: the chunks are a view of the bucket
+WHOLE_CHUNKS = {"a": (4, 64), "b": (64,), "c": (2, 2, 64)}
+
+
+def _exchange_steps(make, shapes: dict, bucket_wise: bool, steps: int = 4, workers: int = 3):
+    """``steps`` steps of ``workers`` workers along the accelerator path, whole buckets or per tensor; at
+    step 2 the first tensor of worker 1 holds a NaN (a bucket voided, each tensor's state kept or not by
+    its own flag)."""
+    exchange = SimulatedExchange(make(), workers=workers, min_compress_numel=0)
+    for engine in exchange.engines:
+        engine.segmented = bucket_wise
+    results = []
+    with accelerator_path():
+        for step in range(steps):
+            for worker in range(workers):
+                generator = torch.Generator().manual_seed(1000 * step + worker)
+                grads = [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+                if step == 2 and worker == 1:
+                    grads[0][1].view(-1)[3] = float("nan")
+                exchange.add_worker(worker, grads)
+            with pytest.warns(RuntimeWarning, match="non-finite") if step == 2 else contextlib.nullcontext():
+                results.append(exchange.finish_step())
+    return exchange, results
+
+
+@pytest.mark.parametrize("shapes", [SHORT_CHUNKS, WHOLE_CHUNKS], ids=["short-chunks", "whole-chunks"])
+@pytest.mark.parametrize("kwargs", [{"bits": 2}, {"bits": None}, {"bits": 3, "aggregate": "all"},
+                                    {"bits": None, "aggregate": "all"}, {"bits": 2, "feedback": True}],
+                         ids=["2-bit", "values", "3-bit-all", "values-all", "2-bit-feedback"])
+def test_a_whole_bucket_equals_the_per_tensor_path_bit_for_bit(shapes: dict, kwargs: dict) -> None:
+    """The bucket-wise exchange (chunks read as rows of a view or of one ``cat``, positions from each
+    chunk's start, nothing kept per element) against the per-tensor one: results, accumulators and
+    residuals equal, through chosen padding and a non-finite gradient."""
+    kwargs = dict(kwargs)
+    feedback = kwargs.pop("feedback", False)
+
+    def make() -> SparseLoCo:
+        compressor = SparseLoCo(chunk=64, k=8, **kwargs)
+        compressor.default_error_feedback = feedback  # this instance only
+        return compressor
+
+    whole, actual = _exchange_steps(make, shapes, bucket_wise=True)
+    single, expected = _exchange_steps(make, shapes, bucket_wise=False)
+    for step, (want, got) in enumerate(zip(expected, actual)):
+        for name in shapes:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, equal_nan=True, msg=f"{step} {name}")
+    for ours, theirs in zip(whole.pipelines, single.pipelines):
+        assert ours.memory.residuals.keys() == theirs.memory.residuals.keys()
+        for name, residual in theirs.memory.residuals.items():
+            assert torch.equal(ours.memory.residuals[name], residual), name
+        for name in shapes:
+            assert torch.equal(ours.memory.states[name][ACCUMULATOR], theirs.memory.states[name][ACCUMULATOR]), name
+
+
+def test_a_bucket_keeps_a_few_bytes_per_chunk_not_per_element() -> None:
+    """The bucket-wise plan keeps per chunk its start, its member and its member's first lookup key (and
+    where padding may be chosen, its real entries): 12 to 16 bytes per 4096 elements, and the longest padding
+    once; the accumulator's layout has one row per tensor of equal sizes."""
+    shapes = ((1000, 1001),) * 3 + ((4096,), (5000,))
+    segments = Segments(tuple(f"w{index}" for index in range(len(shapes))), shapes, 1)
+    plan = _ChunkGroups(SparseLoCo(), segments, torch.device("cpu"))
+    chunks = sum(group.rows for group in plan.groups)
+    kept = [tensor for group in plan.groups for tensor in vars(group).values() if isinstance(tensor, torch.Tensor)]
+    assert sum(tensor.numel() * tensor.element_size() for tensor in kept) <= 16 * chunks + 8 * len(shapes)
+    assert [group.length for group in plan.groups] == [4096]  # one group: padded, read by one cat
+    assert plan.layout.align == math.gcd(*segments.numels) and plan.layout.starts == segments.starts
+    equal = Segments(("a", "b"), ((1000, 1001), (1000, 1001)), 1)
+    assert _ChunkGroups(SparseLoCo(), equal, torch.device("cpu")).layout.rows == 2

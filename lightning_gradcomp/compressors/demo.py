@@ -77,7 +77,7 @@ from lightning_gradcomp.compressors.base import (
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
 from lightning_gradcomp.core.device import state_dtype, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
-from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 
 #: the compressor state key of the decoupled momentum ``δ``: for a compressed tensor its DCT coefficients,
 #: ``(tiles, a·b)`` in tile order (a checkpoint taken with another ``chunk`` starts the momentum afresh);
@@ -155,9 +155,21 @@ class Tiling:
             out = torch.matmul(dct_matrix(self.a, flat.dtype, flat.device), out.view(grid_rows, self.a, -1))
         return out.reshape(grid_rows, self.a, grid_cols, self.b).transpose(1, 2).reshape(self.tiles, self.tile)
 
-    def tile_positions(self) -> Tensor:
-        """The flat position of every element in tile order (``encode``'s order): ``(tiles·a·b,)`` int64."""
-        grid = torch.arange(self.rows * self.cols).view(self.rows // self.a, self.a, self.cols // self.b, self.b)
+    @property
+    def span(self) -> int:
+        """The most consecutive elements of the flat tensor that tile order keeps together: a row of a tile
+        (``b``), or the whole tensor where tile order is the tensor's own (tiles one row high, or as wide
+        as the tensor)."""
+        return self.rows * self.cols if self.a == 1 or self.b == self.cols else self.b
+
+    def tile_runs(self, run: int) -> Tensor:
+        """The flat tensor cut into runs of ``run`` consecutive elements (``run`` divides :attr:`span`): where
+        each run lies, in units of ``run``, in tile order (``encode``'s order): ``(rows·cols / run,)`` int64.
+        With ``run = 1``, the flat position of every element in tile order."""
+        runs = torch.arange(self.rows * self.cols // run)
+        if self.span != self.b:  # tile order is the tensor's own
+            return runs
+        grid = runs.view(self.rows // self.a, self.a, self.cols // self.b, self.b // run)
         return grid.transpose(1, 2).reshape(-1)
 
     def decode(self, coefficients: Tensor) -> Tensor:
@@ -415,26 +427,29 @@ class DeMo(Compressor):
     def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                        state: SegmentsState) -> Optional[Tensor]:
         """:meth:`dense` of every tensor sent dense, at once: ``δ ← β·δ + η·g`` on the flat state, all of
-        it sent."""
+        it sent (the state 1-D per tensor, as per tensor, in rows as long as the sizes allow)."""
+        layout: Segments = segments.constant("demo-dense-state", flat.device, lambda device: segments.state_layout(
+            tuple((numel,) for numel in segments.numels)))
         lr = self._learning_rate()
         scaled = flat * lr if isinstance(lr, Tensor) or lr != 1.0 else flat
-        previous = state.get(MOMENTUM)
+        previous = state.get(MOMENTUM, layout)
         momentum = scaled.clone() if previous is None else torch.add(scaled, previous, alpha=self.decay)
         dtype = contexts[0].dtype or flat.dtype
         if dtype == momentum.dtype:  # all of it sent exactly: the momentum is emptied
-            state.commit(MOMENTUM, torch.zeros_like(momentum))
+            state.commit(MOMENTUM, torch.zeros_like(momentum), layout)
             return momentum
         sent = momentum.to(dtype)
-        state.commit(MOMENTUM, momentum.sub_(sent))  # what rounding to a 16-bit dtype lost
+        state.commit(MOMENTUM, momentum.sub_(sent), layout)  # what rounding to a 16-bit dtype lost
         return sent
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
         """Steps 2 to 6 for every tensor of a bucket, one group of tensors with the same tile shape at a
-        time (:class:`_TileGroups`): each group's tiles gathered in tile order by one index, transformed
-        by two batched products, the momentum updated and selected on the group's flat state, the
-        indices packed, and on the way back the workers' coefficients scattered and averaged by two
-        scatter-adds, transformed back and put in place by one index."""
+        time (:class:`_TileGroups`): each group's tiles gathered in tile order by one index (of bands of
+        tiles, or of runs of elements), transformed by two batched products, the momentum updated and
+        selected on the group's flat state, the indices packed, and on the way back the workers'
+        coefficients scattered and averaged by two scatter-adds, transformed back and put in place by the
+        same index."""
         plan: _TileGroups = segments.constant(("demo", self.chunk, self.k), flat.device,
                                               lambda device: _TileGroups(self, segments, device))
         for tiling, ctx in zip(plan.tilings, contexts):
@@ -442,13 +457,13 @@ class DeMo(Compressor):
         lr = self._learning_rate()
         wire = self._value_dtype(contexts[0].wire_dtype(flat))
         previous = state.get(MOMENTUM, plan.layout)
-        if previous is not None and plan.to_groups is not None:
-            previous = previous.index_select(0, plan.to_groups)
+        if previous is not None:
+            previous = plan.to_group_order(previous)
         momentum = torch.empty(plan.layout.total, dtype=flat.dtype, device=flat.device)  # in group order
         parts: list[Tensor] = []
         selections: list[tuple[Tensor, Tensor]] = []
         for group in plan.groups:
-            tiles = transform_tiles(flat.index_select(0, group.positions).view(group.tiles, group.a, group.b))
+            tiles = transform_tiles(group.read(flat))
             coefficients = tiles.view(group.tiles, group.tile)
             scaled = coefficients * lr if isinstance(lr, Tensor) or lr != 1.0 else coefficients
             current = momentum[group.start:group.stop].view(group.tiles, group.tile)
@@ -460,12 +475,10 @@ class DeMo(Compressor):
             chosen, values = self._select(current, group.k, wire)
             parts += [pack_rows(chosen.view(-1), group.bits), values.view(-1)]
             selections.append((chosen, values))
-        if plan.to_segments is not None:
-            momentum = momentum.index_select(0, plan.to_segments)
-        state.commit(MOMENTUM, momentum, plan.layout)
+        state.commit(MOMENTUM, plan.to_layout_order(momentum), plan.layout)
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
 
-        def write(out: Tensor) -> None:
+        def write(out: Tensor) -> None:  # out: zero-filled (SegmentsOutcome.write), so adding puts in place
             for number, group in enumerate(plan.groups):
                 workers = len(gathered)
                 within = unpack_rows(stacked(gathered, 2 * number), group.bits, group.count)
@@ -478,7 +491,7 @@ class DeMo(Compressor):
                 sums.scatter_add_(1, within, values)
                 chosen.scatter_add_(1, within, torch.ones_like(values))
                 mean = sums.div_(chosen.clamp_min_(1.0)).view(group.tiles, group.a, group.b)
-                out.index_copy_(0, group.positions, inverse_tiles(mean).reshape(-1))
+                group.add_to(out, inverse_tiles(mean))
             if self.sign:
                 out.sign_()
 
@@ -486,8 +499,7 @@ class DeMo(Compressor):
             for group, (chosen, values) in zip(plan.groups, selections):
                 sent = torch.zeros(group.tiles, group.tile, dtype=residual.dtype, device=residual.device)
                 sent.scatter_(1, chosen, values.to(residual.dtype))
-                spatial = inverse_tiles(sent.view(group.tiles, group.a, group.b)).reshape(-1)
-                residual.index_add_(0, group.positions, spatial, alpha=-1.0)
+                group.add_to(residual, inverse_tiles(sent.view(group.tiles, group.a, group.b)), alpha=-1.0)
 
         def error() -> tuple[Tensor, Tensor]:  # as compression_error: (‖X_{t+1}‖², ‖X_{t+1}‖² + ‖S‖²)
             kept = state.get(MOMENTUM, plan.layout)
@@ -502,9 +514,37 @@ class DeMo(Compressor):
         return SegmentsOutcome([tiling.count for tiling in plan.tilings], subtract, write, error)
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """Pieces of a flat buffer of one shape, one every ``step`` elements from ``offset`` on: the rows of a
+    view of the buffer (:meth:`of`). A group's tiles are whole pieces, so that one index of pieces reads
+    them (``index_select``) and writes them back (``index_add_``) in place of an index per element.
+
+    The pieces never overlap (``step`` is at least a piece's extent), so that the view can be written."""
+
+    offset: int
+    step: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def of(self, flat: Tensor) -> Tensor:
+        """``flat`` as a ``(pieces, *shape)`` view (the pieces that fit in it)."""
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.strides))
+        count = (flat.numel() - self.offset - extent) // self.step + 1
+        return flat[self.offset:].as_strided((count, *self.shape), (self.step, *self.strides))
+
+
 @dataclass
 class _TileGroup:
-    """The tensors of a bucket with one tile shape: their tiles in one batch."""
+    """The tensors of a bucket with one tile shape: their tiles in one batch.
+
+    The tiles are read from the bucket's flat buffer, and written back, as whole :class:`_Pieces` picked by
+    :attr:`index` (int32 below 2^31 pieces) in tile order: the group's only constant that grows with the
+    bucket. Where the members have as many columns and their starts lie a whole number of bands apart (a
+    band: ``a`` rows of a tensor, a row of tiles), a piece is a band seen as its tiles, ``(cols / b, a, b)``:
+    one index per band. Otherwise a piece is a run of consecutive elements, as long as every member's start
+    and :attr:`Tiling.span` allow (a tile's row, or more where tile order is the tensors' own): ``4 / run``
+    bytes per element."""
 
     a: int
     b: int
@@ -512,7 +552,8 @@ class _TileGroup:
     bits: int
     tiles: int
     start: int  # where the group's momentum lies in the bucket's momentum, in group order
-    positions: Tensor  # flat position of every element of the group's tiles, in tile order
+    pieces: _Pieces
+    index: Tensor  # the piece of every band or run of the group's tiles, in tile order
     counts: Tensor  # coefficients sent per member tensor (for telemetry)
 
     @property
@@ -527,16 +568,43 @@ class _TileGroup:
     def count(self) -> int:
         return self.tiles * self.k
 
+    def read(self, flat: Tensor) -> Tensor:
+        """The group's tiles in ``flat`` (laid out as the bucket), ``(tiles, a, b)`` in tile order: one gather."""
+        return self.pieces.of(flat).index_select(0, self.index).view(self.tiles, self.a, self.b)
+
+    def add_to(self, flat: Tensor, tiles: Tensor, alpha: float = 1.0) -> None:
+        """``flat += alpha·tiles`` at the tiles' places (the inverse of :meth:`read`): one scatter-add."""
+        self.pieces.of(flat).index_add_(0, self.index, tiles.reshape(-1, *self.pieces.shape), alpha=alpha)
+
+
+def _tile_pieces(tilings: Sequence[Tiling], starts: Sequence[int], total: int) -> tuple[_Pieces, Tensor]:
+    """The :class:`_Pieces` of tensors of one tile shape (``tilings``, at ``starts`` in a flat buffer of
+    ``total`` elements) and the index of their tiles' pieces in tile order (see :class:`_TileGroup`)."""
+    first = tilings[0]
+    band = first.a * first.cols
+    if all(tiling.cols == first.cols for tiling in tilings) and len({start % band for start in starts}) == 1:
+        pieces = _Pieces(starts[0] % band, band, (first.cols // first.b, first.a, first.b),
+                         (first.b, first.cols, 1))
+        index = torch.cat([torch.arange(tiling.rows // tiling.a) + (start - pieces.offset) // band
+                           for tiling, start in zip(tilings, starts)])
+    else:
+        run = math.gcd(*(tiling.span for tiling in tilings), *starts)
+        pieces = _Pieces(0, run, (run,), (1,))
+        index = torch.cat([tiling.tile_runs(run) + start // run for tiling, start in zip(tilings, starts)])
+    return pieces, index.to(index_dtype(total // pieces.step))  # index_select: either
+
 
 class _TileGroups:
     """Constants of DeMo's bucket-wise exchange for one layout: each tensor's :class:`Tiling`, the tensors
-    grouped by tile shape (in order of first appearance), the momentum's layout (``(tiles, a·b)`` per
-    tensor, in the bucket's order) and the permutations between it and group order (``None`` where the
-    groups already lie in the bucket's order)."""
+    grouped by tile shape (in order of first appearance), and the momentum's layout (``(tiles, a·b)`` per
+    tensor, in the bucket's order; the groups' momentum lies in group order, one ``cat`` away from it where
+    the two differ).
+
+    The momentum's layout has rows as long as its tensors' sizes allow (:meth:`Segments.state_layout`)."""
 
     def __init__(self, demo: DeMo, segments: Segments, device: torch.device) -> None:
         self.tilings = [demo.tiling(numel, shape) for numel, shape in zip(segments.numels, segments.shapes)]
-        self.layout = Segments(segments.names, tuple((tiling.tiles, tiling.tile) for tiling in self.tilings), 1)
+        self.layout = segments.state_layout(tuple((tiling.tiles, tiling.tile) for tiling in self.tilings))
         members: dict[tuple[int, int], list[int]] = {}
         for index, tiling in enumerate(self.tilings):
             members.setdefault((tiling.a, tiling.b), []).append(index)
@@ -544,21 +612,33 @@ class _TileGroups:
         self.groups: list[_TileGroup] = []
         start = 0
         for (a, b), indices in members.items():
-            first = self.tilings[indices[0]]
-            positions = torch.cat([self.tilings[index].tile_positions() + segments.starts[index] for index in indices])
-            tiles = sum(self.tilings[index].tiles for index in indices)
-            counts = torch.tensor([self.tilings[index].count for index in indices])
-            self.groups.append(_TileGroup(a, b, first.k, first.index_bits, tiles, start, to_device(positions, device),
-                                          to_device(counts, device)))
+            tilings = [self.tilings[index] for index in indices]
+            pieces, picks = _tile_pieces(tilings, [segments.starts[index] for index in indices], segments.total)
+            tiles = sum(tiling.tiles for tiling in tilings)
+            counts = torch.tensor([tiling.count for tiling in tilings])
+            self.groups.append(_TileGroup(a, b, tilings[0].k, tilings[0].index_bits, tiles, start, pieces,
+                                          to_device(picks, device), to_device(counts, device)))
             start += tiles * a * b
-        identity = order == sorted(order)
-        self.member_order: Optional[Tensor] = None if identity else to_device(
+        #: the members in group order, ``None`` where that is the bucket's order
+        self.order: Optional[list[int]] = None if order == sorted(order) else order
+        self.member_order: Optional[Tensor] = None if self.order is None else to_device(
             torch.tensor([order.index(index) for index in range(len(order))]), device)
-        self.to_groups: Optional[Tensor] = None
-        self.to_segments: Optional[Tensor] = None
-        if not identity:  # momentum positions: group order <-> the layout's (bucket) order
-            spans = [torch.arange(self.layout.starts[index], self.layout.starts[index] + self.layout.numels[index])
-                     for index in order]
-            to_groups = torch.cat(spans)
-            self.to_groups = to_device(to_groups, device)
-            self.to_segments = to_device(torch.argsort(to_groups), device)
+        self._group_starts: list[int] = [0] * len(order)  # each member's momentum in group order
+        offset = 0
+        for index in order:
+            self._group_starts[index] = offset
+            offset += self.layout.numels[index]
+
+    def to_group_order(self, momentum: Tensor) -> Tensor:
+        """The momentum laid out by :attr:`layout`, in group order (one ``cat``; itself where they agree)."""
+        if self.order is None:
+            return momentum
+        views = self.layout.views(momentum)
+        return torch.cat([views[index] for index in self.order])
+
+    def to_layout_order(self, momentum: Tensor) -> Tensor:
+        """The inverse of :meth:`to_group_order`."""
+        if self.order is None:
+            return momentum
+        return torch.cat([momentum[start:start + numel] for start, numel in zip(self._group_starts,
+                                                                                   self.layout.numels)])

@@ -48,7 +48,7 @@ class _DenseSegments(Compressor):
         def subtract(residual: Tensor) -> None:
             residual.sub_(sent.to(residual.dtype))
 
-        return SegmentsOutcome(segments.numels, subtract, write)
+        return SegmentsOutcome(segments.numels, subtract, write, overwrites=True)
 
 
 class NoCompression(_DenseSegments):

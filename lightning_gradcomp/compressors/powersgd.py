@@ -155,12 +155,13 @@ class PowerSGD(Compressor):
         batches: _Batches = segments.constant(("powersgd", self.rank, self.min_compression_rate, compressing),
                                               device, lambda device: _Batches(self, segments, compressing, device))
         wire = contexts[0].wire_dtype(flat)
-        averaged = flat.index_select(0, batches.averaged_positions).to(wire) if batches.averaged else None
+        views = segments.views(flat)
+        averaged = _joined([views[index] for index in batches.averaged]).to(wire) if batches.averaged else None
         if not batches.groups:
             (mean,) = yield Round([Mean(averaged)], last=True)
             return SegmentsOutcome(segments.numels, lambda residual: residual.zero_(),
-                                   lambda out: out.index_copy_(0, batches.averaged_positions, mean.to(out.dtype)))
-        gathered = flat.index_select(0, batches.matrix_positions).to(compute)  # every matrix, group after group
+                                   lambda out: out.copy_(mean.to(out.dtype)), overwrites=True)
+        gathered = _joined([views[index] for index in batches.q_order]).to(compute)  # every matrix, group after group
         matrices = {shape: gathered[start:stop].view(-1, shape[0], shape[1])
                     for shape, (start, stop) in batches.matrix_spans.items()}
         q_flat = self._start_q_segments(state, batches, contexts, compute, device)
@@ -180,28 +181,33 @@ class PowerSGD(Compressor):
                          batches.q_layout, check_result=True)
         products: list[Tensor] = []
 
-        def product() -> Tensor:  # every matrix's P̂ Qᵀ, group after group (as matrix_positions)
+        def product() -> Tensor:  # every matrix's P̂ Qᵀ, group after group (as batches.q_order)
             if not products:
                 pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
                           for shape in batches.groups]
                 products.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             return products[0]
 
-        def subtract(residual: Tensor) -> None:
-            residual.index_add_(0, batches.matrix_positions, product().to(residual.dtype), alpha=-1.0)
+        def subtract(residual: Tensor) -> None:  # one multi-tensor op each, on contiguous 1-D views
+            parts = segments.views(residual)
+            torch._foreach_sub_([parts[index] for index in batches.q_order],
+                                batches.matrix_layout.views(product().to(residual.dtype)))
             if averaged is not None:
-                residual.index_fill_(0, batches.averaged_positions, 0.0)
+                torch._foreach_zero_([parts[index] for index in batches.averaged])
 
         def write(out: Tensor) -> None:
-            out.index_copy_(0, batches.matrix_positions, product().to(out.dtype))
+            parts = segments.views(out)
+            torch._foreach_copy_([parts[index] for index in batches.q_order],
+                                 batches.matrix_layout.views(product().to(out.dtype)))
             if averaged_mean is not None:
-                out.index_copy_(0, batches.averaged_positions, averaged_mean.to(out.dtype))
+                torch._foreach_copy_([parts[index] for index in batches.averaged],
+                                     batches.averaged_layout.views(averaged_mean.to(out.dtype)))
 
         counts = [segments.numels[index] for index in range(len(segments))]
         for (n, m, r), members in batches.groups.items():
             for index in members:
                 counts[index] = (n + m) * r
-        return SegmentsOutcome(counts, subtract, write)
+        return SegmentsOutcome(counts, subtract, write, overwrites=True)  # every tensor written (no gaps)
 
     def _start_q_segments(self, state: SegmentsState, batches: _Batches, contexts: Sequence[CompressContext],
                           dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -246,22 +252,18 @@ class _Batches:
                                  tuple((shape[1], shape[2]) for shape, members in self.groups.items()
                                        for _ in members), 1)
         self.q_order = order
-
-        def positions(indices: list[int]) -> Tensor:
-            if not indices:
-                return torch.zeros(0, dtype=torch.int64, device=device)
-            return to_device(torch.cat([torch.arange(segments.starts[index],
-                                                     segments.starts[index] + segments.numels[index])
-                                        for index in indices]), device)
-
-        #: every compressed matrix's elements in the flat buffer, group after group; each group's span of it
-        self.matrix_positions = positions(order)
+        #: the compressed matrices one after another, group after group, and the tensors sent averaged: the
+        #: layouts of the buffers joined from the flat buffer's views (no index of elements)
+        self.matrix_layout = Segments(tuple(segments.names[index] for index in order),
+                                      tuple((segments.numels[index],) for index in order), 1)
+        self.averaged_layout = Segments(tuple(segments.names[index] for index in self.averaged),
+                                        tuple((segments.numels[index],) for index in self.averaged), 1)
+        #: each group's span of the joined matrices
         self.matrix_spans: dict[tuple[int, int, int], tuple[int, int]] = {}
         start = 0
         for (n, m, r), members in self.groups.items():
             self.matrix_spans[(n, m, r)] = (start, start + len(members) * n * m)
             start += len(members) * n * m
-        self.averaged_positions = positions(self.averaged)
         # Gram–Schmidt of every group's P at once: one zero-padded (matrices, n_max, r_max) batch
         self.n_max = max((n for n, _, _ in self.groups), default=0)
         self.r_max = max((r for _, _, r in self.groups), default=0)
@@ -295,6 +297,11 @@ class _Batches:
             views[(n, m, r)] = batch[first:first + len(members), :n, :r]
             first += len(members)
         return views
+
+
+def _joined(views: Sequence[Tensor]) -> Tensor:
+    """The tensors one after another in a new buffer (one ``cat``: no index of elements to keep)."""
+    return torch.cat(list(views))
 
 
 def orthogonalize_batched(matrices: Tensor) -> Tensor:

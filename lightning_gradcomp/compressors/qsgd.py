@@ -179,8 +179,8 @@ class QSGD(Compressor):
         codes = noise.view(row_count, -1).addcdiv_(work.view(row_count, -1), per_row.unsqueeze(1), value=levels)
         codes = codes.view(-1)
         codes = codes.to(torch.uint8).clamp_(0, 2 * levels)
-        kept = _packed_positions(segments, device)
-        sent_codes = codes if kept is None else codes[kept]
+        kept = _sent_spans(segments)
+        sent_codes = codes if kept is None else torch.cat([codes[start:start + size] for start, size in kept])
         packed = pack_grouped(sent_codes, bits)
         norms = norms.float()
         (rows,) = yield Round([Gather((norms, packed))], last=True)
@@ -188,9 +188,10 @@ class QSGD(Compressor):
 
         def decoded(all_codes: Tensor, all_norms: Tensor, alpha: float) -> Tensor:
             """``(..., rows, align)`` values of codes and norms: ``norm · (alpha / s) · (code − s)``."""
-            if kept is not None:
-                spread = torch.zeros(*all_codes.shape[:-1], segments.total, dtype=all_codes.dtype, device=device)
-                all_codes = spread.index_copy_(-1, kept, all_codes)
+            if kept is not None:  # back to the flat layout (the gaps get any code: left out of every result)
+                group, index = _spread_index(segments, kept, device)
+                lead = all_codes.shape[:-1]
+                all_codes = all_codes.view(*lead, -1, group).index_select(-2, index).view(*lead, -1)
             values = all_codes.to(self._work_dtype).sub_(levels)  # no copy when already decoded to floats
             values = values.view(*all_codes.shape[:-1], row_count, -1)
             weight = all_norms.to(values.dtype) * (alpha / levels)
@@ -206,7 +207,7 @@ class QSGD(Compressor):
         def subtract(residual: Tensor) -> None:
             residual.view(row_count, -1).add_(decoded(sent_codes, norms, -1.0).to(residual.dtype))
 
-        return SegmentsOutcome(segments.numels, subtract, write)
+        return SegmentsOutcome(segments.numels, subtract, write, overwrites=True)  # the sum sets every row
 
     def _buckets(self, flat: Tensor) -> list[tuple[Tensor, slice]]:
         """``flat`` as rows of ``bucket_size`` (views), the last bucket possibly shorter, with the
@@ -248,11 +249,28 @@ def offset_uniform(numel: int, low: float, dtype: torch.dtype, generator: torch.
     return torch.add(offset, out, alpha=2.0**-NOISE_BITS, out=out)
 
 
-def _packed_positions(segments: Segments, device: torch.device) -> Optional[Tensor]:
-    """The flat positions of the codes that cross the wire: each tensor's first ``⌈d/8⌉·8`` elements (as
-    per tensor), or ``None`` when that is every element (a constant of the layout)."""
+def _sent_spans(segments: Segments) -> Optional[list[tuple[int, int]]]:
+    """Where the codes that cross the wire lie in the flat buffer: each tensor's first ``⌈d/8⌉·8`` elements
+    (as per tensor), as ``(start, length)`` spans, joined by one ``cat`` (no index); ``None`` when that is
+    every element."""
     padded = [-(-numel // 8) * 8 for numel in segments.numels]
     if all(size == segments.rows_of(index) * segments.align for index, size in enumerate(padded)):
         return None
-    return segments.constant("qsgd-codes", device, lambda device: to_device(torch.cat(
-        [torch.arange(start, start + size) for start, size in zip(segments.starts, padded)]), device))
+    return list(zip(segments.starts, padded))
+
+
+def _spread_index(segments: Segments, spans: list[tuple[int, int]], device: torch.device) -> tuple[int, Tensor]:
+    """The inverse of joining ``spans``: ``(g, index)`` with the flat buffer in groups of ``g`` elements (the
+    largest that divides every span's start and length, at least 8) and, for each group, the group of the
+    joined codes it comes from (gaps: group 0, any value); int32, one entry per ``g`` elements (a constant
+    of the layout)."""
+    group = math.gcd(segments.align, *(size for _, size in spans))
+
+    def build(device: torch.device) -> Tensor:
+        index = torch.zeros(segments.total // group, dtype=torch.int32)
+        joined = 0
+        for start, size in spans:
+            index[start // group:(start + size) // group] = torch.arange(joined, joined + size // group)
+            joined += size // group
+        return to_device(index, device)
+    return group, segments.constant(("qsgd-spread", group), device, build)

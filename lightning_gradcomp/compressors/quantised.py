@@ -5,9 +5,9 @@ The gathered compressors (Top-k, QSGD, ...) hand every worker N payloads; a ring
 :math:`2\frac{N-1}{N}d` elements per worker whatever N. This exchange keeps the all-reduce's shape with
 b-bit codes (the scheme of DeepSpeed ZeRO++'s qgZ and of torchft's quantised all-reduce):
 
-1. **all-to-all**: worker ``w`` splits its tensor ``p_w`` into ``N`` chunks of ``m = ⌈d/N⌉`` elements
-   (the last zero-padded), quantises every block of ``block_size`` elements with its own fp32 scale
-   and sends chunk ``c`` to worker ``c``;
+1. **all-to-all**: worker ``w`` splits its tensor ``p_w`` into ``N`` chunks of ``m = ⌈d/(NB)⌉·B``
+   elements, whole blocks of ``B = block_size`` (the tensor zero-padded to ``N m``: only the last chunks
+   hold padding), quantises every block with its own fp32 scale and sends chunk ``c`` to worker ``c``;
 2. worker ``c`` dequantises the ``N`` versions of its chunk and averages them in fp32,
    :math:`\bar p_c = \frac1N\sum_w Q(p_{w,c})`, then re-quantises :math:`\bar p_c` (plus its owner
    residual, below);
@@ -50,7 +50,7 @@ from lightning_gradcomp.core.protocol import (
     SegmentsProtocol,
     stacked,
 )
-from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 
 OWNER_RESIDUAL = "owner_residual"
 
@@ -94,26 +94,23 @@ class _QuantisedAllReduce(Compressor):
         return (peak_magnitudes(blocks, 1) / self.code_max).clamp_min_(torch.finfo(torch.float32).tiny)
 
     # ------------------------------------------------------------------ sizes
-    def _chunk(self, numel: int, world_size: int) -> tuple[int, int]:
-        """``(m, padded)``: elements of a chunk, and that rounded up to whole blocks."""
-        chunk = -(-numel // world_size)
-        return chunk, -(-chunk // self.block_size) * self.block_size
+    def _chunk(self, numel: int, world_size: int) -> int:
+        """Elements of a chunk, ``m = ⌈d/(NB)⌉·B``: whole blocks, so that chunk boundaries are block
+        boundaries (a whole bucket's chunks are then gathered block by block, not element by element)."""
+        return -(-numel // (world_size * self.block_size)) * self.block_size
 
     def wire_format(self, shape: Sequence[int], dtype: torch.dtype, count: Optional[int] = None,
                     world_size: int = 1) -> list[list[tuple[torch.dtype, int]]]:
-        _, padded = self._chunk(math.prod(shape), world_size)
+        padded = self._chunk(math.prod(shape), world_size)
         part = [(torch.uint8, self._code_nbytes(padded)), (torch.float32, padded // self.block_size)]
         return [part * world_size, part]
 
     # ------------------------------------------------------------------ the protocol
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
         numel, workers = tensor.numel(), ctx.world_size
-        chunk, padded = self._chunk(numel, workers)
-        flat, own = tensor.reshape(-1), tensor.new_zeros(workers, padded, dtype=torch.float32)
-        whole = numel // chunk  # chunks without padding; then at most one partial chunk
-        own[:whole, :chunk] = flat[: whole * chunk].view(whole, chunk)
-        if whole < workers:
-            own[whole, : numel - whole * chunk] = flat[whole * chunk:]
+        padded = self._chunk(numel, workers)
+        own = tensor.new_zeros(workers, padded, dtype=torch.float32)
+        own.view(-1)[:numel] = tensor.reshape(-1)  # chunk c: elements [c·m, (c+1)·m), zeros past d
         encoded = [self._encode(own[c].view(-1, self.block_size)) for c in range(workers)]
         (versions,) = yield Round([AllToAll(encoded)])
 
@@ -131,12 +128,12 @@ class _QuantisedAllReduce(Compressor):
             ctx.commit(OWNER_RESIDUAL, owner_residual, check_result=True)
 
         def write(out: Tensor) -> None:
-            chunks = torch.stack([self._decode(*row.parts).view(-1)[:chunk] for row in gathered])
-            out.copy_(chunks.view(-1)[:numel])
+            chunks = torch.cat([self._decode(*row.parts).view(-1) for row in gathered])
+            out.copy_(chunks[:numel])
 
         def subtract(residual: Tensor) -> None:  # e = p - Q(p): this worker's own quantisation
-            sent = torch.stack([self._decode(*parts).view(-1)[:chunk] for parts in encoded])
-            residual.sub_(sent.view(-1)[:numel].to(residual.dtype))
+            sent = torch.cat([self._decode(*parts).view(-1) for parts in encoded])
+            residual.sub_(sent[:numel].to(residual.dtype))
 
         return Outcome(numel, subtract, write)
 
@@ -150,9 +147,9 @@ class _QuantisedAllReduce(Compressor):
         The same values as :meth:`_encode` / :meth:`_decode`."""
         raise NotImplementedError
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """Inverse of :meth:`_quantise_rows`' bytes: ``(..., blocks, block_size)`` fp32 (``codes`` may be a
-        strided view whose last dimension is contiguous)."""
+        strided view whose last dimension is contiguous), written into ``out`` (of that shape) if given."""
         raise NotImplementedError
 
     def _block_scales(self, blocks: Tensor) -> Tensor:
@@ -160,26 +157,37 @@ class _QuantisedAllReduce(Compressor):
         return self._scales(blocks.reshape(-1, self.block_size)).view(*blocks.shape[:-1])
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The flat buffer as it is (alignment 1) on accelerators, for the built-in codecs (a subclass may
-        change the codec: it stays per tensor) and, for 4-bit codes, blocks of an even size; per tensor on
-        the CPU."""
+        """Whole blocks (alignment ``block_size``: every tensor starts a block, as per tensor) on accelerators,
+        for the built-in codecs (a subclass may change the codec: it stays per tensor) and, for 4-bit codes,
+        blocks of an even size; per tensor on the CPU."""
         if host_reads_allowed(device) or type(self) not in (Int8AllReduce, Int4AllReduce, FP8AllReduce, FP4AllReduce):
             return None
-        return 1 if self.block_size % self._codes_per_byte == 0 else None  # a byte never spans two chunks
+        return self.block_size if self.block_size % self._codes_per_byte == 0 else None  # a byte in one block
+
+    def segments_fit(self, numels: Sequence[int], align: int) -> bool:
+        return True  # a tensor smaller than a block is one zero-padded block, as per tensor
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
         """Every tensor's chunks at once: one ``(N, C)`` buffer whose row ``c`` holds chunk ``c`` of every
-        tensor (each zero-padded to whole blocks, as per tensor; one gather by a constant index), quantised
-        in one pass, one all-to-all; the owner's average, residual and re-quantisation on its ``C``
-        elements; one gather; the chunks put back in place by one index."""
-        workers, device = contexts[0].world_size, flat.device
-        plan = _chunk_plan(segments, workers, self.block_size, device)
-        own = flat.index_select(0, plan.gather).to(torch.float32)  # fp32 codes and sums, as per tensor
-        if plan.keep is not None:  # chunks padded to whole blocks: zeros there
-            own.mul_(plan.keep)
-        codes, scales, sent = self._quantise_rows(own.view(workers, -1, self.block_size), hold=True)
-        del own  # not kept through the exchange: `sent` holds no more than the codes
+        tensor (whole blocks, as per tensor: one gather of blocks by a constant index of ``C N / B``
+        entries, none for a lone tensor), quantised in one pass, one all-to-all; the owner's average,
+        residual and re-quantisation on its ``C`` elements; one gather; the blocks put back in place."""
+        workers, device, block = contexts[0].world_size, flat.device, self.block_size
+        plan = _chunk_plan(segments, workers, block, device)
+        blocks = flat.view(-1, block)
+        if plan.gather is not None:
+            own = blocks.index_select(0, plan.gather).to(torch.float32)
+            if plan.keep is not None:  # blocks past a tensor's end: zeros there
+                own.mul_(plan.keep)
+        elif plan.padding:  # a lone tensor: its blocks, then zero blocks
+            own = torch.cat([blocks, segments.constant(("zero blocks", plan.padding, flat.dtype), device,
+                                                       lambda device: flat.new_zeros(plan.padding, block))])
+            own = own.to(torch.float32)
+        else:
+            own = blocks.to(torch.float32)
+        codes, scales, sent = self._quantise_rows(own.view(workers, -1, block), hold=True)
+        del own, blocks  # not kept through the exchange: `sent` holds no more than the codes
         (versions,) = yield Round([AllToAll([(codes[c], scales[c]) for c in range(workers)])])
 
         received = self._dequantise_rows(stacked(versions, 0), stacked(versions, 1))  # (N, blocks, block)
@@ -194,47 +202,66 @@ class _QuantisedAllReduce(Compressor):
             state.commit(OWNER_RESIDUAL, owner_residual.view(-1), plan.owner_layout, check_result=True)
 
         def write(out: Tensor) -> None:
-            chunks = self._dequantise_rows(stacked(gathered, 0), stacked(gathered, 1)).view(-1)
-            if out.dtype == chunks.dtype:
-                torch.index_select(chunks, 0, plan.scatter, out=out)
-            else:  # fp64 gradients
-                out.copy_(chunks.index_select(0, plan.scatter))
+            codes, scales = stacked(gathered, 0), stacked(gathered, 1)
+            if plan.scatter is None and not plan.padding and out.dtype == torch.float32:  # the flat buffer
+                self._dequantise_rows(codes, scales, out=out.view(*scales.shape, block))
+                return
+            chunks = self._dequantise_rows(codes, scales).view(-1, block)
+            if plan.scatter is None:  # a lone tensor: the first blocks
+                out.copy_(chunks[:segments.rows].view(-1))
+            elif out.dtype == chunks.dtype:
+                torch.index_select(chunks, 0, plan.scatter, out=out.view(-1, block))
+            else:
+                out.copy_(chunks.index_select(0, plan.scatter).view(-1))
 
         def subtract(residual: Tensor) -> None:
-            residual.sub_(sent().view(-1).index_select(0, plan.scatter).to(residual.dtype))
+            mine = sent().view(-1, block)
+            mine = mine[:segments.rows] if plan.scatter is None else mine.index_select(0, plan.scatter)
+            residual.sub_(mine.view(-1).to(residual.dtype))
 
-        return SegmentsOutcome(segments.numels, subtract, write)
+        # the gaps (zeros) are quantised as 0 by every codec: their residual stays 0
+        return SegmentsOutcome(segments.numels, subtract, write, gaps_stay_zero=True, overwrites=True)
 
 
 class _ChunkPlan:
-    """Constants of the bucket-wise quantised all-reduce for one layout and number of workers."""
+    """Constants of the bucket-wise quantised all-reduce for one layout (aligned to whole blocks) and number
+    of workers, indexing blocks rather than elements (``1/B`` of an index entry per element).
+
+    Tensor ``t`` is ``n_t`` blocks of the flat buffer; its chunk ``c`` is its blocks ``[c q_t, (c+1) q_t)``,
+    ``q_t = ⌈n_t/N⌉`` (blocks past ``n_t``: zeros). Row ``c`` of the ``(N, Σ q_t)`` blocks sent holds chunk
+    ``c`` of every tensor in turn. A lone tensor needs no index: its chunks are its blocks followed by
+    :attr:`padding` zero blocks."""
 
     def __init__(self, segments: Segments, workers: int, block: int, device: torch.device) -> None:
-        padded_sizes, chunks = [], []
-        for numel in segments.numels:
-            chunk = -(-numel // workers)
-            chunks.append(chunk)
-            padded_sizes.append(-(-chunk // block) * block)
-        width = sum(padded_sizes)
-        zero = segments.total  # marks padding
-        gather = torch.full((workers, width), zero, dtype=torch.int64)
-        scatter = torch.zeros(segments.total, dtype=torch.int64)
+        if segments.align != block:
+            raise ValueError(f"the quantised all-reduce's layout must be aligned to its blocks ({block}), "
+                             f"got {segments.align}")
+        per_chunk = [-(-segments.rows_of(index) // workers) for index in range(len(segments))]
+        width = sum(per_chunk)
+        index = index_dtype(max(workers * width, segments.rows))
+        gather = torch.zeros(workers, width, dtype=index)  # the flat buffer's block of each block sent
+        keep = torch.ones(workers, width, dtype=torch.bool)
+        scatter = torch.empty(segments.rows, dtype=index)  # the block sent that holds each flat block
         column = 0
-        for start, numel, chunk, padded in zip(segments.starts, segments.numels, chunks, padded_sizes):
-            for c in range(workers):
-                begin, end = c * chunk, min(numel, (c + 1) * chunk)
-                if end > begin:
-                    gather[c, column:column + end - begin] = torch.arange(start + begin, start + end)
-                    first = c * width + column
-                    scatter[start + begin:start + end] = torch.arange(first, first + end - begin)
-            column += padded
-        padded = any(workers * size > numel for size, numel in zip(padded_sizes, segments.numels))
-        #: 0 where chunks are padded to whole blocks, 1 elsewhere; None without padding
-        self.keep: Optional[Tensor] = to_device((gather.view(-1) != zero).float(), device) if padded else None
-        self.gather = to_device(gather.view(-1).clamp_(max=max(zero - 1, 0)), device)  # own chunks from the flat buffer
-        self.scatter = to_device(scatter, device)  # the flat buffer from the (N, C) chunks (gaps: anything)
-        #: each tensor's owner residual, as per tensor: (padded chunk / block, block)
-        self.owner_layout = Segments(segments.names, tuple((padded // block, block) for padded in padded_sizes), block)
+        for index, q in enumerate(per_chunk):
+            first, count = segments.starts[index] // block, segments.rows_of(index)
+            offsets = torch.arange(workers * q)  # chunk-major: c·q + j
+            real = offsets < count
+            gather[:, column:column + q] = torch.where(real, first + offsets, first).view(workers, q)
+            keep[:, column:column + q] = real.view(workers, q)
+            mine = torch.arange(count)
+            scatter[first:first + count] = (mine // q) * width + column + mine % q
+            column += q
+        lone = len(segments) == 1
+        #: zero blocks after a lone tensor's (which needs no index)
+        self.padding = workers * width - segments.rows if lone else 0
+        self.gather: Optional[Tensor] = None if lone else to_device(gather.view(-1), device)
+        self.scatter: Optional[Tensor] = None if lone else to_device(scatter, device)
+        #: False for the blocks past a tensor's end, shaped to mask whole blocks; None without such blocks
+        padded = any(workers * q > segments.rows_of(index) for index, q in enumerate(per_chunk))
+        self.keep: Optional[Tensor] = to_device(keep.view(-1, 1), device) if padded and not lone else None
+        #: each tensor's owner residual, as per tensor: (chunk / block, block)
+        self.owner_layout = Segments(segments.names, tuple((q, block) for q in per_chunk), block)
 
 
 def _chunk_plan(segments: Segments, workers: int, block: int, device: torch.device) -> _ChunkPlan:
@@ -264,10 +291,10 @@ class Int8AllReduce(_QuantisedAllReduce):
         codes = codes.view(*blocks.shape[:-2], -1)
         return codes, scales, lambda: self._dequantise_rows(codes, scales)
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
         first)."""
-        return torch.mul(codes.view(torch.int8).view(*scales.shape, self.block_size), scales.unsqueeze(-1))
+        return torch.mul(codes.view(torch.int8).view(*scales.shape, self.block_size), scales.unsqueeze(-1), out=out)
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return codes.view(torch.int8).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
@@ -303,8 +330,8 @@ class Int4AllReduce(_QuantisedAllReduce):
             levels = levels.to(torch.int8)
         return codes.view(*blocks.shape[:-2], -1), scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
-        return _decode_nibble_pairs(codes, scales, _nibble_pairs(_INT4_LEVELS, codes.device), self.block_size)
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        return _decode_nibble_pairs(codes, scales, _nibble_pairs(_INT4_LEVELS, codes.device), self.block_size, out)
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         numel = scales.numel() * self.block_size
@@ -352,9 +379,11 @@ class FP8AllReduce(_QuantisedAllReduce):
         codes = quantised.view(torch.uint8).view(*blocks.shape[:-2], -1)
         return codes, scales, lambda: quantised.to(torch.float32).mul_(scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
-        values = codes.view(self._dtype).view(*scales.shape, self.block_size).to(torch.float32)
-        return values.mul_(scales.unsqueeze(-1))
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        values = codes.view(self._dtype).view(*scales.shape, self.block_size)
+        if out is None:
+            return values.to(torch.float32).mul_(scales.unsqueeze(-1))
+        return torch.mul(out.copy_(values), scales.unsqueeze(-1), out=out)
 
 
 #: magnitudes of the 4-bit float formats (the 16 values are these and their negatives): E2M1 is OCP's MX FP4
@@ -421,9 +450,9 @@ class FP4AllReduce(_QuantisedAllReduce):
         values, shape = _fp4_table(self.format, blocks.device)[0], blocks.shape
         return codes, scales, lambda: values.index_select(0, ranks.view(-1)).view(shape).mul_(scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
         table = _nibble_pairs(_fp4_values(FP4_MAGNITUDES[self.format]), codes.device)
-        return _decode_nibble_pairs(codes, scales, table, self.block_size)
+        return _decode_nibble_pairs(codes, scales, table, self.block_size, out)
 
 
 # ---------------------------------------------------------------------- 4-bit code tables
@@ -465,11 +494,15 @@ def _nibble_pairs(levels: Sequence[float], device: torch.device) -> Tensor:
         [[levels[byte & 15], levels[byte >> 4]] for byte in range(256)], dtype=torch.float32))
 
 
-def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_size: int) -> Tensor:
+def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_size: int,
+                         out: Optional[Tensor] = None) -> Tensor:
     """``(..., blocks, block_size)`` fp32 values of bytes holding two 4-bit codes each: one table lookup
-    per byte (both codes at once), then the scales."""
-    values = table.index_select(0, codes.to(torch.int32).reshape(-1))
-    return values.view(*scales.shape, block_size).mul_(scales.unsqueeze(-1))
+    per byte (both codes at once), then the scales (into ``out`` if given)."""
+    pairs = codes.to(torch.int32).reshape(-1)
+    if out is None:
+        return table.index_select(0, pairs).view(*scales.shape, block_size).mul_(scales.unsqueeze(-1))
+    torch.index_select(table, 0, pairs, out=out.view(-1, 2))
+    return out.mul_(scales.unsqueeze(-1))
 
 
 def _pair_weights(device: torch.device) -> tuple[Tensor, Tensor]:

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Finite, all_finite
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
-from lightning_gradcomp.core.segments import Segments
+from lightning_gradcomp.core.segments import Segments, index_dtype
 
 
 @dataclass(frozen=True)
@@ -339,6 +339,8 @@ def _segmented_plan(segments: Segments, ks: tuple[int, ...], device: torch.devic
         pruned, kept_starts, kept_counts, chosen_starts = [], [], [], []
         template, row_offsets, candidate_offsets, numels = [], [], [], []
         kept_total = chosen_total = 0
+        # offsets added to int64 positions: int32 while they fit (half the memory kept per layout)
+        offset = index_dtype(segments.total + block * sum(ks))
         for index, (numel, k) in enumerate(zip(segments.numels, ks)):
             rows = segments.rows_of(index)
             prune = k * block <= numel // 4
@@ -349,9 +351,9 @@ def _segmented_plan(segments: Segments, ks: tuple[int, ...], device: torch.devic
             kept_counts.append(count)
             chosen_starts.append(chosen_total)
             template.append(torch.zeros(count, dtype=torch.int64) if prune else torch.arange(rows))
-            row_offsets.append(torch.full((count,), segments.starts[index] // block, dtype=torch.int64))
-            numels.append(torch.full((count,), segments.starts[index] + numel, dtype=torch.int64))
-            candidate_offsets.append(torch.full((k,), kept_total * block, dtype=torch.int64))
+            row_offsets.append(torch.full((count,), segments.starts[index] // block, dtype=offset))
+            numels.append(torch.full((count,), segments.starts[index] + numel, dtype=offset))
+            candidate_offsets.append(torch.full((k,), kept_total * block, dtype=offset))
             kept_total += count
             chosen_total += k
         plan = _SegmentedPlan(pruned, kept_starts, kept_counts, chosen_starts,

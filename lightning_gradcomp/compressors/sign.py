@@ -97,11 +97,11 @@ class _ScaledSigns(Compressor):
             received = stacked(rows, 1)  # (N, P)
             self._decode_segments(out.view(row_count, -1), signs.view(workers, row_count, -1), received, segments)
 
-        return SegmentsOutcome(segments.numels, subtract, write)
+        return SegmentsOutcome(segments.numels, subtract, write, overwrites=True)  # every row decoded
 
     def _decode_segments(self, out: Tensor, signs: Tensor, scales: Tensor, segments: Segments) -> None:
         """``out = (1/N) Σ_w scale_w · (1 − 2·bit_w)`` on ``(rows, 8)``."""
-        per_row = scales.index_select(1, segments.row_segments(scales.device)).unsqueeze(-1)  # (N, rows, 1)
+        per_row = segments.spread_rows(scales, 1).unsqueeze(-1)  # (N, rows, 1)
         contribution = signs.to(out.dtype).mul_(-2.0).add_(1.0).mul_(per_row)
         torch.mean(contribution, dim=0, out=out)
 

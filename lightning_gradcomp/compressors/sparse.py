@@ -29,7 +29,7 @@ from lightning_gradcomp.compressors.selection import (
 )
 from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
-from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 
 
 class _ValuesAndIndices(Compressor):
@@ -77,9 +77,11 @@ def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments
 
 
 def _slot_starts(segments: Segments, counts: tuple[int, ...], device: torch.device) -> Tensor:
-    """Per sent coordinate, the start of its tensor in the flat buffer (a constant of the layout)."""
+    """Per sent coordinate, the start of its tensor in the flat buffer (a constant of the layout; int32 while
+    the buffer's positions fit, half the memory)."""
+    dtype = index_dtype(segments.total)
     return segments.constant(("slot-starts", counts), device, lambda device: to_device(torch.repeat_interleave(
-        torch.tensor(segments.starts, dtype=torch.int64), torch.tensor(counts)), device))
+        torch.tensor(segments.starts, dtype=dtype), torch.tensor(counts)), device))
 
 
 class HasDensity:

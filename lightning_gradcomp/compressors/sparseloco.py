@@ -41,7 +41,7 @@ from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbyte
 from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.core.device import device_constant, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
-from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 
 #: the compressor state key of the error-feedback accumulator ``A``
 ACCUMULATOR = "accumulator"
@@ -191,68 +191,69 @@ class SparseLoCo(Compressor):
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
         """:meth:`compress` and :meth:`exchange` of every tensor of a bucket: ``A ← β·A + p`` on the flat
-        state, then per group of tensors with one chunk length (:class:`_ChunkGroups`) one gather of their
-        chunks, one ``topk``, the quantisation with each tensor's mean, deviation and lookup from segmented
-        reductions, and on the way back two scatter-adds per group into the bucket's sums and counts."""
+        state, then per group of tensors with one chunk length (:class:`_ChunkGroups`) their chunks as the
+        rows of one matrix (a view of the bucket, or one ``cat``), one ``topk``, the quantisation with each
+        tensor's mean, deviation and lookup from segmented reductions, and on the way back two
+        scatter-adds per group into the bucket's sums and counts."""
         plan: _ChunkGroups = segments.constant(("sparseloco", self.chunk, self.k), flat.device,
                                                lambda device: _ChunkGroups(self, segments, device))
-        previous = state.get(ACCUMULATOR)
+        previous = state.get(ACCUMULATOR, plan.layout)
         accumulator = flat.clone() if previous is None else torch.add(flat, previous, alpha=self.decay)
+        magnitudes = accumulator.abs() if plan.padded else None  # of every padded group's chunks: read once
         wire = contexts[0].wire_dtype(flat)
         parts: list[Tensor] = []
         sent: list[tuple[Tensor, Tensor]] = []  # per group: this worker's (positions, decoded values)
         for group in plan.groups:
-            chunks = accumulator.index_select(0, group.gather).view(group.rows, group.length)
-            magnitudes = chunks.abs()
-            if group.keep is not None:  # padding: value 0, never chosen over a real entry
-                chunks = chunks.mul(group.keep.view(group.rows, group.length))
-                magnitudes.masked_fill_(group.padding, -1.0)
-            within = magnitudes.topk(group.k, dim=1, sorted=False).indices
-            values = chunks.gather(1, within).view(-1)
-            positions = group.gather.view(group.rows, group.length).gather(1, within).view(-1)
+            chunks = plan.chunks(group, accumulator, 0.0)  # padding: value 0
+            # padding: magnitude -1, never chosen over a real entry
+            ranked = plan.chunks(group, magnitudes, -1.0) if group.padded else chunks.abs()
+            within = ranked.topk(group.k, dim=1, sorted=False).indices
+            values = chunks.gather(1, within)
+            positions = group.positions(within).view(-1)
             parts.append(pack_rows(within.view(-1), group.index_bits))
             if self.bits is None:
-                parts.append(values.to(wire))
+                parts.append(values.view(-1).to(wire))
                 decoded = parts[-1].to(values.dtype)  # padding: 0 already
             else:
-                codes, keys, lookup = self._quantise_segments(values, group)
-                parts += [pack_rows(codes, self.bits), lookup]
-                decoded = lookup.index_select(0, keys)
-                if group.keep is not None:  # a chosen padding entry decodes to its bin's value: not sent
-                    decoded = decoded.mul_(group.keep.view(group.rows, group.length).gather(1, within).view(-1))
+                codes, keys, lookup = self._quantise_segments(values, group, plan.ones)
+                parts += [pack_rows(codes.view(-1), self.bits), lookup]
+                decoded = lookup.index_select(0, keys.view(-1))
+                if group.short:  # a chosen padding entry decodes to its bin's value: not sent
+                    decoded = torch.where(group.real(within).view(-1), decoded, 0.0)
             sent.append((positions, decoded))
             accumulator.index_add_(0, positions, decoded.to(accumulator.dtype), alpha=-1.0)  # padding: 0 added
-        state.commit(ACCUMULATOR, accumulator)
+        state.commit(ACCUMULATOR, accumulator, plan.layout)
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
         step = 2 if self.bits is None else 3
 
         def write(out: Tensor) -> None:
             workers = len(gathered)
             chosen_mean = self.aggregate == "chosen"
-            if chosen_mean:  # the mean over the workers that chose each coordinate
-                sums, chosen = torch.zeros(2, segments.total, dtype=torch.float32, device=out.device).unbind()
+            if chosen_mean:  # the mean over the workers that chose each coordinate (and a spare slot for padding)
+                sums, chosen = torch.zeros(2, segments.total + plan.spare, dtype=torch.float32,
+                                           device=out.device).unbind()
             for number, group in enumerate(plan.groups):
                 within = unpack_rows(stacked(gathered, step * number), group.index_bits, group.count)
                 within = within.view(workers, group.rows, group.k)
-                chunk_positions = group.gather.view(1, group.rows, group.length).expand(workers, -1, -1)
-                positions = chunk_positions.gather(2, within).view(-1)
+                # chosen padding entries: counted in the spare slot past the bucket's end, or adding 0
+                positions = group.positions(within, segments.total if chosen_mean else None)
                 if self.bits is None:
                     values = stacked(gathered, step * number + 1).float().reshape(-1)
                 else:
                     codes = unpack_rows(stacked(gathered, step * number + 1), self.bits, group.count)
-                    lookups = stacked(gathered, step * number + 2).reshape(-1)
-                    values = lookups.index_select(0, codes.add_(group.worker_key_base(workers)).reshape(-1))
-                real = None if group.keep is None else \
-                    group.keep.view(1, group.rows, group.length).expand(workers, -1, -1).gather(2, within).view(-1)
-                if real is not None:  # a chosen padding entry adds 0 (at a real position)
-                    values = values * real
-                if not chosen_mean:  # as per tensor: out += v / N, worker after worker
-                    out.index_add_(0, positions, values.to(out.dtype), alpha=1.0 / workers)
+                    keys = codes.view(workers, group.rows, group.k).add_(group.key_base).view(workers, -1)
+                    values = stacked(gathered, step * number + 2).gather(1, keys).view(-1)  # each worker's lookups
+                if chosen_mean:
+                    sums.index_add_(0, positions.view(-1), values)
+                    chosen.index_add_(0, positions.view(-1), plan.ones.expand(values.numel()))
                     continue
-                sums.index_add_(0, positions, values)
-                chosen.index_add_(0, positions, torch.ones_like(values) if real is None else real)
+                # a chosen padding entry adds 0, past its member (values sent as they are: its own 0)
+                if group.short and self.bits is not None:
+                    values = torch.where(group.real(within).view(-1), values, 0.0)
+                # as per tensor: out += v / N, worker after worker
+                out.index_add_(0, positions.view(-1), values.to(out.dtype), alpha=1.0 / workers)
             if chosen_mean:
-                torch.div(sums, chosen.clamp_min_(1.0), out=out)
+                torch.div(sums[:segments.total], chosen[:segments.total].clamp_min_(1.0), out=out)
 
         def subtract(residual: Tensor) -> None:
             for positions, decoded in sent:
@@ -260,32 +261,34 @@ class SparseLoCo(Compressor):
 
         return SegmentsOutcome(plan.counts, subtract, write)
 
-    def _quantise_segments(self, values: Tensor, group: "_ChunkGroup") -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`_quantise` of every member tensor's selected values at once (segmented mean and deviation,
-        one lookup of ``2^bits`` per member): ``(codes, keys, lookups)`` with ``keys = member·2^bits + code``,
-        the index of each value's decoded value in ``lookups``."""
+    def _quantise_segments(self, values: Tensor, group: "_ChunkGroup", ones: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_quantise` of every member tensor's selected values (``(rows, k)``, a row per chunk) at once
+        (segmented mean and deviation, one lookup of ``2^bits`` per member): ``(codes, keys, lookups)`` with
+        ``keys = member·2^bits + code``, the index of each value's decoded value in ``lookups`` (``ones``: a
+        kept 1.0, expanded to count the values of each code)."""
         levels = 2 ** self.bits
         values = values.float()  # as per tensor: fp32 statistics and lookups, also for fp64 gradients
-        member = group.member_of_value
-        mean, std = _mean_and_deviation(values, group.value_lengths, member)
+        mean, std = _mean_and_deviation(values, group.value_lengths, group.member)
         step = (std * (6.0 / levels)).clamp_min_(torch.finfo(torch.float32).tiny)
-        codes = ((values - mean.index_select(0, member)) / step.index_select(0, member) + levels // 2)
+        codes = ((values - mean.index_select(0, group.member).unsqueeze(1))
+                 / step.index_select(0, group.member).unsqueeze(1) + levels // 2)
         codes = codes.nan_to_num_(0.0).round_().clamp_(0, levels - 1)
         codes = codes.to(torch.int64)
-        keys = codes + group.key_base
+        keys = (codes + group.key_base).view(-1)
         sums, counts = values.new_zeros(2, group.members * levels).unbind()
-        sums.index_add_(0, keys, values)
-        counts.index_add_(0, keys, torch.ones_like(values))
+        sums.index_add_(0, keys, values.view(-1))
+        counts.index_add_(0, keys, ones.expand(keys.numel()))
         return codes, keys, sums.div_(counts.clamp_min_(1.0))
 
 
 def _mean_and_deviation(values: Tensor, lengths: Tensor, member: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Per segment of ``values`` (``lengths``; ``member``: each value's segment, needed for more than one),
-    the mean ``μ`` and the deviation ``σ = √(mean((v − μ)²))``, by segmented reductions: one tensor's
-    statistics are the same numbers per tensor and in a bucket (the same reduction over the same values)."""
-    mean = torch.segment_reduce(values, "mean", lengths=lengths, unsafe=True)
-    centered = values - (mean if member is None else mean.index_select(0, member))
-    return mean, torch.segment_reduce(centered.square(), "mean", lengths=lengths, unsafe=True).sqrt_()
+    """Per segment of ``values`` (``lengths``), the mean ``μ`` and the deviation ``σ = √(mean((v − μ)²))``, by
+    segmented reductions: one tensor's statistics are the same numbers per tensor and in a bucket (the same
+    reduction over the same values). ``values``: 1-D for one segment, or ``(rows, k)`` with ``member`` the
+    segment of each row (needed for more than one)."""
+    mean = torch.segment_reduce(values.reshape(-1), "mean", lengths=lengths, unsafe=True)
+    centered = values - (mean if member is None else mean.index_select(0, member).unsqueeze(1))
+    return mean, torch.segment_reduce(centered.square().view(-1), "mean", lengths=lengths, unsafe=True).sqrt_()
 
 
 def _one_segment(numel: int, device: torch.device) -> Tensor:
@@ -295,65 +298,142 @@ def _one_segment(numel: int, device: torch.device) -> Tensor:
 
 @dataclass
 class _ChunkGroup:
-    """The tensors of a bucket with one chunk length: their chunks as the rows of one matrix."""
+    """The tensors of a bucket with one chunk length: their chunks as the rows of one ``(rows, length)``
+    matrix, in the bucket's order.
+
+    The matrix is a view of the bucket's flat buffer where the members lie end to end and fill whole
+    chunks (:attr:`pieces` is one run of elements), else one ``cat`` of runs of the buffer and of the
+    padding that completes each member's last chunk. Everything else is kept per row (a chunk): where it
+    starts in the bucket (a chosen entry's position is that plus its index in the chunk), how many of its
+    entries are real, its member: a few bytes per chunk, no index per element."""
 
     length: int
     k: int
     index_bits: int
     rows: int  # chunks of all members
     members: int
-    gather: Tensor  # (rows·length,) flat position of every chunk element (padding: a real position)
-    keep: Optional[Tensor]  # (rows·length,) 1.0 for a real element, 0.0 for padding; None without padding
-    padding: Optional[Tensor]  # keep == 0 as a (rows, length) bool mask
-    member_of_value: Tensor  # (rows·k,) which member each selected value belongs to
+    pieces: tuple[tuple[int, int, int], ...]  # (start, stop, padding): the matrix is these runs, each then padded
+    base: Tensor  # (rows, 1) where each chunk starts in the bucket
+    valid: Optional[Tensor]  # (rows, 1) real entries of each chunk, where some chunk may have padding chosen
+    last: Optional[int]  # the bucket's last position, where a chosen padding entry's could lie past it
+    member: Tensor  # (rows,) which member each chunk belongs to
+    key_base: Tensor  # (rows, 1) member·2^bits, the first key of each chunk's member's lookup
     value_lengths: Tensor  # (members,) selected values per member
-    key_base: Tensor  # (rows·k,) member·2^bits, the first key of each value's lookup
-    levels: int
-    _worker_bases: dict
 
     @property
     def count(self) -> int:
         return self.rows * self.k
 
-    def worker_key_base(self, workers: int) -> Tensor:
-        """``(workers, rows·k)`` keys' bases into every worker's lookups laid end to end, kept per count."""
-        if workers not in self._worker_bases:
-            offsets = torch.arange(workers, device=self.key_base.device).view(-1, 1) * (self.members * self.levels)
-            self._worker_bases[workers] = self.key_base.view(1, -1) + offsets
-        return self._worker_bases[workers]
+    @property
+    def padded(self) -> bool:
+        """Whether a member's last chunk is padded."""
+        return any(padding for _, _, padding in self.pieces)
+
+    @property
+    def short(self) -> bool:
+        """Whether a chunk has fewer than ``k`` real entries, so that padding may be chosen (else it never is:
+        its magnitude, -1, ranks below every real entry)."""
+        return self.valid is not None
+
+    def chunks(self, flat: Tensor, fill: Optional[Tensor]) -> Tensor:
+        """``(rows, length)``: the members' chunks in ``flat`` (laid out as the bucket), padded from ``fill``
+        (a kept tensor of the padding's value, as long as any padding; ``None`` without padding): a view of
+        ``flat``, or one ``cat``."""
+        if len(self.pieces) == 1 and not self.padded:
+            start, stop, _ = self.pieces[0]
+            return flat[start:stop].view(self.rows, self.length)
+        pieces: list[Tensor] = []
+        for start, stop, padding in self.pieces:
+            pieces.append(flat[start:stop])
+            if padding:
+                pieces.append(fill[:padding])  # type: ignore[index]
+        return torch.cat(pieces).view(self.rows, self.length)
+
+    def positions(self, within: Tensor, spare: Optional[int] = None) -> Tensor:
+        """Positions in the bucket of entries ``within`` their chunks (``(..., rows, k)``). A chosen padding
+        entry's (short groups) is ``spare`` if given, else one past its member's end, inside the bucket: its
+        value must add 0 there."""
+        positions = within + self.base
+        if self.valid is None:
+            return positions
+        if spare is not None:
+            return torch.where(self.real(within), positions, spare)
+        return positions.clamp_max_(self.last) if self.last is not None else positions
+
+    def real(self, within: Tensor) -> Tensor:
+        """Whether entries ``within`` their chunks (``(..., rows, k)``) are real, not padding (short groups)."""
+        return within < self.valid
 
 
 class _ChunkGroups:
-    """Constants of SparseLoCo's bucket-wise exchange for one layout: each tensor's chunk layout, and the
-    tensors grouped by chunk length (in order of first appearance)."""
+    """Constants of SparseLoCo's bucket-wise exchange for one layout: each tensor's chunk layout, the tensors
+    grouped by chunk length (in order of first appearance), and the accumulator's layout.
+
+    The accumulator lies as the bucket does, 1-D per tensor as per tensor, in a layout of its own whose rows
+    are as long as the tensors' sizes allow (:meth:`Segments.state_layout`)."""
 
     def __init__(self, compressor: SparseLoCo, segments: Segments, device: torch.device) -> None:
         layouts = [compressor._layout(numel) for numel in segments.numels]
         self.counts = [chunks * k for _, chunks, k, _ in layouts]
+        self.layout = segments.state_layout(tuple((numel,) for numel in segments.numels))
         levels = 2 ** compressor.bits if compressor.bits is not None else 1
         members: dict[int, list[int]] = {}
         for index, (length, _, _, _) in enumerate(layouts):
             members.setdefault(length, []).append(index)
-        self.groups: list[_ChunkGroup] = []
-        for length, indices in members.items():
-            _, _, k, index_bits = layouts[indices[0]]
-            gather, keep, member_rows = [], [], []
-            for position, index in enumerate(indices):
-                numel, chunks = segments.numels[index], layouts[index][1]
-                offsets = torch.arange(chunks * length)
-                real = offsets < numel
-                gather.append(torch.where(real, offsets + segments.starts[index], segments.starts[index]))
-                keep.append(real.float())
-                member_rows.append(torch.full((chunks,), position))
-            keep_all = torch.cat(keep)
-            padded = any(layouts[index][1] * length > segments.numels[index] for index in indices)
-            rows = sum(layouts[index][1] for index in indices)
-            member_of_value = torch.cat(member_rows).repeat_interleave(k)
-            self.groups.append(_ChunkGroup(
-                length=length, k=k, index_bits=index_bits, rows=rows, members=len(indices),
-                gather=to_device(torch.cat(gather), device),
-                keep=to_device(keep_all, device) if padded else None,
-                padding=to_device((keep_all == 0).view(rows, length), device) if padded else None,
-                member_of_value=to_device(member_of_value, device),
-                value_lengths=to_device(torch.tensor([layouts[index][1] * k for index in indices]), device),
-                key_base=to_device(member_of_value * levels, device), levels=levels, _worker_bases={}))
+        self.groups = [self._group(segments, layouts, indices, levels, device) for indices in members.values()]
+        self.padded = any(group.padded for group in self.groups)
+        #: a slot past the bucket's end for the counts of chosen padding entries
+        self.spare = int(any(group.short for group in self.groups))
+        self.ones = to_device(torch.ones(1), device)  # expanded: a count of 1 per value, without a tensor of them
+        self._device = device
+        self._fills: dict[tuple[float, torch.dtype], Tensor] = {}
+
+    @staticmethod
+    def _group(segments: Segments, layouts: list[tuple[int, int, int, int]], indices: list[int], levels: int,
+               device: torch.device) -> _ChunkGroup:
+        """The :class:`_ChunkGroup` of the tensors ``indices`` (one chunk length). Planned on the host from
+        the layout alone (nothing read from a tensor)."""
+        length, _, k, index_bits = layouts[indices[0]]
+        pieces: list[list[int]] = []  # [start, stop, padding]
+        base: list[int] = []
+        valid: list[int] = []
+        member: list[int] = []
+        short = overhang = False
+        for position, index in enumerate(indices):
+            start, numel, chunks = segments.starts[index], segments.numels[index], layouts[index][1]
+            padding = chunks * length - numel
+            if pieces and not pieces[-1][2] and pieces[-1][1] == start:  # follows on from the previous run
+                pieces[-1][1:] = [start + numel, padding]
+            else:
+                pieces.append([start, start + numel, padding])
+            base += [start + chunk * length for chunk in range(chunks)]
+            valid += [length] * (chunks - 1) + [length - padding]
+            member += [position] * chunks
+            if length - padding < k:  # the last chunk: padding may be chosen, its position past the member
+                short = True
+                overhang = overhang or start + chunks * length > segments.total
+
+        def as_row(values: list[int], dtype: torch.dtype) -> Tensor:  # one value per chunk, as (rows, 1)
+            return to_device(torch.tensor(values, dtype=dtype).view(-1, 1), device)
+
+        return _ChunkGroup(
+            length=length, k=k, index_bits=index_bits, rows=len(base), members=len(indices),
+            pieces=tuple((start, stop, padding) for start, stop, padding in pieces),
+            base=as_row(base, index_dtype(segments.total)),
+            valid=as_row(valid, torch.int32) if short else None,
+            last=segments.total - 1 if overhang else None,
+            member=as_row(member, torch.int32).view(-1),
+            key_base=as_row([position * levels for position in member], index_dtype(len(indices) * levels)),
+            value_lengths=to_device(torch.tensor([layouts[index][1] * k for index in indices]), device))
+
+    def chunks(self, group: _ChunkGroup, flat: Tensor, padding: float) -> Tensor:
+        """``group``'s chunks in ``flat`` (:meth:`_ChunkGroup.chunks`), padded with the value ``padding``."""
+        return group.chunks(flat, self._fill(padding, flat.dtype) if group.padded else None)
+
+    def _fill(self, value: float, dtype: torch.dtype) -> Tensor:
+        """A kept tensor of ``value``, as long as the longest padding: what a ``cat`` puts after a run."""
+        key = (value, dtype)
+        if key not in self._fills:
+            length = max(padding for group in self.groups for _, _, padding in group.pieces)
+            self._fills[key] = to_device(torch.full((length,), value, dtype=dtype), self._device)
+        return self._fills[key]

@@ -143,15 +143,21 @@ class SegmentsOutcome:
         counts: coordinates sent per tensor.
         subtract: ``flat -= what was sent``, in place on the flat input (gaps may be left as they are).
         write: ``flat = the aggregated result``, in place on a zero-filled flat buffer of the layout (gaps:
-            any value).
+            any value; not zero-filled with ``overwrites``).
         error: optional ``(‖p − C(p)‖², ‖p‖²)`` per tensor (1-D tensors), for telemetry of compressors
             without the generic error feedback; ``None``: measured from ``subtract``.
+        gaps_stay_zero: ``subtract`` leaves the gaps' zeros as they are (what it subtracts there is 0), so
+            the engine need not zero them again.
+        overwrites: ``write`` sets every element of its buffer, gaps included, so the buffer need not be
+            zero-filled first (the engine may then hand it the gradient itself).
     """
 
     counts: Sequence[int]
     subtract: Callable[[Tensor], None]
     write: Callable[[Tensor], None]
     error: Optional[Callable[[], tuple[Tensor, Tensor]]] = None
+    gaps_stay_zero: bool = False
+    overwrites: bool = False
 
 
 #: What :meth:`Compressor.exchange` returns: yields rounds, receives their results, returns the outcome.

@@ -27,6 +27,16 @@ from torch import Tensor
 from lightning_gradcomp.core.device import to_device
 
 
+#: The smallest row for which :meth:`Segments.spread_rows` keeps an index of rows (4 bytes per row).
+ROW_INDEX_ALIGN = 32
+
+
+def index_dtype(largest: int) -> torch.dtype:
+    """The dtype of a kept index (or offset) whose values stay below ``largest``: int32 where they fit, half
+    the memory of int64 (``index_select``, ``index_add_`` and ``gather``-free arithmetic with int64 accept it)."""
+    return torch.int32 if largest < 2**31 else torch.int64
+
+
 @dataclass(frozen=True)
 class Segments:
     """The layout of a bucket's compressed tensors in one flat buffer.
@@ -106,6 +116,13 @@ class Segments:
             return to_device(torch.cat(gaps), device)
         flat.index_fill_(0, self.constant("gaps", flat.device, build), 0)
 
+    def state_layout(self, shapes: Sequence[tuple[int, ...]]) -> "Segments":
+        """A layout of these tensors for a state of ``shapes`` (as many elements each) that lies as the tensors
+        do, in rows as long as their sizes allow: their greatest common divisor where this layout has no gaps.
+        A commit that keeps some tensors' previous state (a gradient not finite) spreads the tensors' flags
+        over the rows (:meth:`expand`): a few rows, not one per element."""
+        return Segments(self.names, tuple(shapes), self.align if self.padded else math.gcd(*self.numels))
+
     def constant(self, key: object, device: torch.device, build: Callable[[torch.device], Tensor]) -> Tensor:
         """A tensor that depends only on the layout, built by ``build(device)`` once per device and kept."""
         slot = (key, str(device))
@@ -115,15 +132,17 @@ class Segments:
         return value
 
     def per_row(self, values: Sequence[int], device: torch.device, name: str) -> Tensor:
-        """A constant ``(rows, 1)`` int64 tensor holding ``values[t]`` on every row of segment ``t``."""
+        """A constant ``(rows, 1)`` integer tensor holding ``values[t]`` on every row of segment ``t`` (int32,
+        half the memory of int64, while the values fit: an index for ``index_select``)."""
         def build(device: torch.device) -> Tensor:
             repeats = torch.tensor([self.rows_of(index) for index in range(len(self))])
-            per_segment = torch.tensor(list(values), dtype=torch.int64)
+            values_ = list(values)
+            per_segment = torch.tensor(values_, dtype=index_dtype(max(values_, default=0) + 1))
             return to_device(torch.repeat_interleave(per_segment, repeats).view(-1, 1), device)
         return self.constant(("per_row", name), device, build)
 
     def row_segments(self, device: torch.device) -> Tensor:
-        """A constant int64 tensor: the segment of every row."""
+        """A constant int32 tensor: the segment of every row (an index)."""
         return self.per_row(range(len(self)), device, "segment").view(-1)
 
     def row_lengths(self, device: torch.device) -> Tensor:
@@ -133,8 +152,18 @@ class Segments:
 
     def expand(self, per_segment: Tensor) -> Tensor:
         """``per_segment`` (one value per tensor) as a ``(rows, 1)`` tensor, to broadcast over the flat
-        buffer viewed as ``(rows, align)``: one gather."""
-        return per_segment.index_select(0, self.row_segments(per_segment.device)).view(-1, 1)
+        buffer viewed as ``(rows, align)``."""
+        return self.spread_rows(per_segment, 0).view(-1, 1)
+
+    def spread_rows(self, per_segment: Tensor, dim: int) -> Tensor:
+        """``per_segment`` (one value per tensor along ``dim``) repeated over each tensor's rows along
+        ``dim``: one gather by the kept :meth:`row_segments` for rows of at least :data:`ROW_INDEX_ALIGN`
+        elements (at most 4 bytes of index per 32 elements), else ``repeat_interleave`` by the tensors'
+        row counts (an index made per call: nothing per row kept; two operations, no host read)."""
+        device = per_segment.device
+        if self.align >= ROW_INDEX_ALIGN:
+            return per_segment.index_select(dim, self.row_segments(device))
+        return torch.repeat_interleave(per_segment, self.row_lengths(device), dim=dim, output_size=self.rows)
 
 
 class SegmentsState(ABC):

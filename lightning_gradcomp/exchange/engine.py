@@ -290,7 +290,8 @@ class BucketVerdict:
         if self.stacked is None:
             return torch.zeros(1, device=self.device)
         zero, nan = _flag_values(self.device)
-        return torch.where(self.stacked.all(), zero, nan)
+        finite = self.stacked if self.stacked.numel() == 1 else self.stacked.all()  # one flag: no reduction
+        return torch.where(finite, zero, nan)
 
     def tell(self, contexts: Sequence[CompressContext], summed: Tensor) -> None:
         """Set every context's ``finite`` to the bucket's verdict on every worker. (A worker's own flag

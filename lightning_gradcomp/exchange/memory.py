@@ -101,14 +101,16 @@ class CompressionMemory:
         return corrected if residual is None else corrected.add_(residual)
 
     def update_bucket(self, segments: Segments, corrected: Tensor, subtract: Callable[[Tensor], None],
-                      finite: Finite = True) -> Optional[Tensor]:
+                      finite: Finite = True, gaps_stay_zero: bool = False) -> Optional[Tensor]:
         """:meth:`update` for a whole bucket: ``e = p - C(p)`` in the storage of the flat ``p`` (``finite``:
-        the bucket's verdict). The per-name residuals become views of it."""
+        the bucket's verdict; ``gaps_stay_zero``: ``subtract`` leaves the gaps zero). The per-name residuals
+        become views of it."""
         if finite is False:
             self._keep_bucket_spare(segments, corrected)
             return None
         subtract(corrected)
-        segments.zero_gaps(corrected)
+        if not gaps_stay_zero:
+            segments.zero_gaps(corrected)
         key = ("residual", segments.key)
         previous = self._flat(self.residuals, key, segments, corrected.dtype, corrected.device)
         residual = keep_if_finite(corrected, previous, finite)

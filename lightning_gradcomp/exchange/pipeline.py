@@ -182,7 +182,7 @@ class WorkerPipeline:
         outcome: SegmentsOutcome = yield from self.compressor.exchange_segments(flat, segments, contexts, state)
         verdict = contexts[0].finite  # the bucket's verdict: the same in every context (BucketVerdict.tell)
         if self.error_feedback:
-            residual = self.memory.update_bucket(segments, flat, outcome.subtract, verdict)
+            residual = self.memory.update_bucket(segments, flat, outcome.subtract, verdict, outcome.gaps_stay_zero)
             if input_sq is not None and residual is not None:
                 self.recorder.add_many(segments.names, _squared_norms(segments.views(residual)), input_sq,
                                        tuple(outcome.counts), segments.numels, verdict)
@@ -196,7 +196,12 @@ class WorkerPipeline:
             self.recorder.add_many(segments.names, error_sq, input_sq, tuple(outcome.counts), segments.numels,
                                    verdict)
         written = [(out, index) for index, out in enumerate(outs) if out is not None]
-        if written:
+        direct = _whole_layout(outs, segments, flat)
+        if direct is not None:  # the result straight into the gradient: no buffer, no copy
+            if not outcome.overwrites:
+                direct.zero_()
+            outcome.write(direct)
+        elif written:
             result = torch.zeros(segments.total, dtype=flat.dtype, device=flat.device)
             outcome.write(result)
             results = segments.views(result)
@@ -273,6 +278,20 @@ class _FlatState(SegmentsState):
         if len(tensors) == len(flags):
             return flag_vector(flags)
         return torch.stack([torch.as_tensor(flag, device=self.device).reshape(()) for flag in flags])
+
+
+def _whole_layout(outs: Sequence[Optional[Tensor]], segments: Segments, flat: Tensor) -> Optional[Tensor]:
+    """The one destination of a bucket's compressed tensors when it can hold the whole layout as it is (a
+    lone tensor, as a large layer fills one of DDP's buckets: contiguous, of the flat buffer's dtype and
+    size, no gap, not sharing memory with it), flat; else ``None``."""
+    if len(outs) != 1 or outs[0] is None:
+        return None
+    out = outs[0]
+    if (out.dtype != flat.dtype or out.device != flat.device or out.numel() != segments.total
+            or not out.is_contiguous()
+            or out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()):
+        return None
+    return out.view(-1)
 
 
 def _squared_norms(tensors: Sequence[Tensor]) -> Tensor:
