@@ -8,7 +8,9 @@ made by worker 0's exchange engine for one bucket of P tensors of 128 x 128 elem
 ``--workers``), in process (tests/_op_count.py; the collectives themselves are the driver's and not counted). By default
 along the accelerator path, the code a GPU runs (no host reads; compressors that can compress a whole
 bucket at once do so); ``--cpu-path`` counts the CPU path. On a GPU each op is at least one kernel
-launch, 5-10 µs of host time: the issue's budget is 40 + 3·P.
+launch, 5-10 µs of host time: the issue's budget is 40 + 3·P. The last column: the bytes of indices,
+masks and plans the engine keeps per bucket layout (GPU memory for as long as the buckets last), per
+gradient element, for 4 tensors of 300 x 301 and 8 workers.
 
 With ``--model`` (``torchvision:<name>``, ``mlp:<widths>`` or a class path, as ``gradcomp estimate``
 takes), one step of that model's parameters in DDP's buckets (25 MB, the first 1 MB; tensors under 1024
@@ -29,7 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_gradcomp.compressors import COMPRESSORS  # noqa: E402
 from lightning_gradcomp.tools.estimate import build_model  # noqa: E402
-from tests._op_count import bound, count_bucket_ops, count_step_ops, ddp_buckets  # noqa: E402
+from tests._op_count import (  # noqa: E402
+    bound,
+    count_bucket_ops,
+    count_step_ops,
+    ddp_buckets,
+    layout_constant_bytes,
+)
 
 #: The compressors of the issue's budget, then the others.
 ORDER = ["topk", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd", "int8", "int4", "fp8", "fp4", "powersgd",
@@ -48,8 +56,8 @@ def main() -> None:
         model_table(args.model, names, args.workers)
         return
     print(f"| compressor (default settings) | {' | '.join(f'P={count}' for count in args.tensors)} | "
-          f"whole bucket at once |")
-    print("|---|" + "---|" * (len(args.tensors) + 1))
+          f"whole bucket at once | kept per layout (bytes per element) |")
+    print("|---|" + "---|" * (len(args.tensors) + 2))
     for name in names:
         cells = []
         for count in args.tensors:
@@ -57,8 +65,11 @@ def main() -> None:
                                          workers=args.workers).ops.values())
             cells.append(f"{total}" + (" **over**" if total > bound(count) else ""))
         segmented = COMPRESSORS[name]().segment_alignment(torch.device("cuda")) is not None
-        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} |")
-    print(f"\nbudget: {', '.join(f'P={count}: {bound(count)}' for count in args.tensors)}")
+        kept = layout_constant_bytes(COMPRESSORS[name], 4, shape=(300, 301), workers=8) / (4 * 300 * 301)
+        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} | {kept:.3f} |")
+    print(f"\nbudget: {', '.join(f'P={count}: {bound(count)}' for count in args.tensors)}; kept per layout: "
+          "the indices, masks and plans the engine keeps for a bucket of 4 tensors of 300 x 301 and 8 workers "
+          "(GPU memory for as long as the buckets last)")
 
 
 def model_table(spec: str, names: list[str], workers: int) -> None:

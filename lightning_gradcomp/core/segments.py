@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,7 +34,8 @@ ROW_INDEX_ALIGN = 32
 
 def index_dtype(largest: int) -> torch.dtype:
     """The dtype of a kept index (or offset) whose values stay below ``largest``: int32 where they fit, half
-    the memory of int64 (``index_select``, ``index_add_`` and ``gather``-free arithmetic with int64 accept it)."""
+    the memory of int64 (``index_select`` and ``index_add_`` take it as an index; added to int64 positions,
+    it gives int64)."""
     return torch.int32 if largest < 2**31 else torch.int64
 
 
@@ -115,6 +117,16 @@ class Segments:
                     for index, (start, numel) in enumerate(zip(self.starts, self.numels))]
             return to_device(torch.cat(gaps), device)
         flat.index_fill_(0, self.constant("gaps", flat.device, build), 0)
+
+    @cached_property
+    def coarse_rows(self) -> "Segments":
+        """This layout in rows as long as its tensors' sizes allow (their greatest common divisor) when it has
+        no gaps and rows shorter than :data:`ROW_INDEX_ALIGN`, else itself: the same elements, so that a value
+        per tensor spreads over few rows (:meth:`expand`: one gather by a small kept index rather than an
+        index made per call)."""
+        if self.padded or self.align >= ROW_INDEX_ALIGN:
+            return self
+        return Segments(self.names, self.shapes, math.gcd(*self.numels))
 
     def state_layout(self, shapes: Sequence[tuple[int, ...]]) -> "Segments":
         """A layout of these tensors for a state of ``shapes`` (as many elements each) that lies as the tensors

@@ -263,8 +263,12 @@ class _FlatState(SegmentsState):
             previous = self.get(key, layout)
             if previous is None:
                 previous = torch.zeros_like(new)
-            rows = segments.expand(vector) if vector.dim() else vector
-            new = torch.where(rows, new.view(segments.rows, -1), previous.view(segments.rows, -1)).view(-1)
+            if vector.dim():  # a flag per tensor, spread over the tensors' rows (as long as the sizes allow)
+                coarse = segments.coarse_rows
+                new = torch.where(coarse.expand(vector), new.view(coarse.rows, -1), previous.view(coarse.rows, -1))
+            else:
+                new = torch.where(vector, new, previous)
+            new = new.view(-1)
         self.memory.set_bucket_state(segments, key, new, layout is not None)
 
     def _flag_vector(self, flags: list) -> Optional[Tensor]:
