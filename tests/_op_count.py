@@ -119,6 +119,8 @@ def layout_constant_bytes(make: Callable[[], Compressor], tensors: int, shape: t
     finally:
         SimulatedExchange.__init__ = original  # type: ignore[method-assign]
     engine = captured[0].engines[0]
+    if not engine._layouts:
+        raise AssertionError("no bucket took the whole-bucket path: nothing measured")
     return sum(_tensor_bytes(value, set()) for layout in engine._layouts.values()
                for value in layout._constants.values())
 

@@ -86,3 +86,24 @@ def test_fp16_loss_scaling_is_refused_for_every_compressor_state_kept_across_ste
         check_fit_setup(Int8AllReduce(), False, [], scaled)  # the owner residual
     check_fit_setup(SignSGD(), False, [], scaled)  # plain signSGD keeps nothing
     check_fit_setup(FP8AllReduce(owner_error_feedback=False), False, [], scaled)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "int8", "fp8", "topk", "powersgd"])
+def test_fp64_gradients_are_exchanged_on_both_paths(name: str) -> None:
+    """fp64 gradients (a model in double precision) on the CPU's per-tensor path and the accelerator's
+    whole-bucket path: fp64 results that agree to the wire's fp32 rounding (SignSGD's per-tensor scale
+    failed on fp64 before: the norm's fp32 ``dtype`` may not narrow a double tensor)."""
+    from lightning_gradcomp.compressors import COMPRESSORS
+    from lightning_gradcomp.core.device import accelerator_path
+
+    grads = [torch.randn(64, 80, dtype=torch.float64, generator=torch.Generator().manual_seed(w)) for w in range(2)]
+    results = []
+    for accelerator in (False, True):
+        exchange = SimulatedExchange(COMPRESSORS[name](), workers=2)
+        with accelerator_path() if accelerator else torch.no_grad():
+            for step in range(2):
+                for worker in range(2):
+                    exchange.add_worker(worker, [("w", grads[worker] * (step + 1))])
+                results.append(exchange.finish_step()["w"])
+    assert all(result.dtype == torch.float64 and bool(result.isfinite().all()) for result in results)
+    assert torch.allclose(results[1], results[3], rtol=1e-5, atol=1e-6)

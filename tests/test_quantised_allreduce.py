@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import QSGD, FP4AllReduce, FP8AllReduce, Int4AllReduce, Int8AllReduce
-from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL
+from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL, _ChunkPlan
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import SimulatedExchange
 
@@ -135,7 +135,8 @@ def test_fp4_formats_and_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
-@pytest.mark.parametrize("numel", [4 * 256 * 3, 5000, 200], ids=["whole-chunks", "padded", "one-block"])
+@pytest.mark.parametrize("numel", [4 * 256 * 3, 5 * 256, 5000, 200],
+                         ids=["whole-chunks", "zero-blocks", "gap-in-last-block", "one-block"])
 def test_a_lone_tensor_takes_the_bucket_path_without_an_index_and_equals_the_per_tensor_path(name: str,
                                                                                            numel: int) -> None:
     """A bucket with one compressed tensor (a large layer fills one of DDP's buckets) is chunked in place:
@@ -152,6 +153,9 @@ def test_a_lone_tensor_takes_the_bucket_path_without_an_index_and_equals_the_per
             results = [_step(exchange, _grads(4, step, numel)) for step in range(3)]
         runs.append((results, exchange))
     (expected, reference), (actual, bucketed) = runs
+    plans = [value for layout in bucketed.engines[0]._layouts.values() for value in layout._constants.values()
+             if isinstance(value, _ChunkPlan)]
+    assert plans and all(plan.gather is None and plan.scatter is None for plan in plans)
     for want, got in zip(expected, actual):
         assert torch.equal(want, got)
     for worker in range(4):

@@ -178,8 +178,8 @@ class _QuantisedAllReduce(Compressor):
         blocks = flat.view(-1, block)
         if plan.gather is not None:
             own = blocks.index_select(0, plan.gather).to(torch.float32)
-            if plan.keep is not None:  # blocks past a tensor's end: zeros there
-                own.mul_(plan.keep)
+            if plan.keep is not None:  # blocks past a tensor's end: zeros there (a select: NaN-safe)
+                own = torch.where(plan.keep, own, 0.0)
         elif plan.padding:  # a lone tensor: its blocks, then zero blocks
             own = torch.cat([blocks, segments.constant(("zero blocks", plan.padding, flat.dtype), device,
                                                        lambda device: flat.new_zeros(plan.padding, block))])
@@ -238,10 +238,10 @@ class _ChunkPlan:
                              f"got {segments.align}")
         per_chunk = [-(-segments.rows_of(index) // workers) for index in range(len(segments))]
         width = sum(per_chunk)
-        index = index_dtype(max(workers * width, segments.rows))
-        gather = torch.zeros(workers, width, dtype=index)  # the flat buffer's block of each block sent
+        positions = index_dtype(max(workers * width, segments.rows))
+        gather = torch.zeros(workers, width, dtype=positions)  # the flat buffer's block of each block sent
         keep = torch.ones(workers, width, dtype=torch.bool)
-        scatter = torch.empty(segments.rows, dtype=index)  # the block sent that holds each flat block
+        scatter = torch.empty(segments.rows, dtype=positions)  # the block sent that holds each flat block
         column = 0
         for index, q in enumerate(per_chunk):
             first, count = segments.starts[index] // block, segments.rows_of(index)

@@ -48,7 +48,10 @@ class _ScaledSigns(Compressor):
 
     @staticmethod
     def _mean_magnitude(tensor: Tensor) -> Tensor:
-        """``||p||_1 / d`` as a 0-d fp32 tensor (no host sync)."""
+        """``||p||_1 / d`` as a 0-d fp32 tensor (no host sync; summed in fp64 for fp64 gradients, which the
+        norm's ``dtype`` may not narrow)."""
+        if tensor.dtype == torch.float64:
+            return (torch.linalg.vector_norm(tensor, ord=1) / tensor.numel()).float()
         return torch.linalg.vector_norm(tensor, ord=1, dtype=torch.float32) / tensor.numel()
 
     # ------------------------------------------------------------------ a whole bucket at once

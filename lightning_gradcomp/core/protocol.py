@@ -143,7 +143,7 @@ class SegmentsOutcome:
         counts: coordinates sent per tensor.
         subtract: ``flat -= what was sent``, in place on the flat input (gaps may be left as they are).
         write: ``flat = the aggregated result``, in place on a zero-filled flat buffer of the layout (gaps:
-            any value; not zero-filled with ``overwrites``).
+            any value; with ``overwrites``, possibly a buffer holding anything, such as the gradient itself).
         error: optional ``(‖p − C(p)‖², ‖p‖²)`` per tensor (1-D tensors), for telemetry of compressors
             without the generic error feedback; ``None``: measured from ``subtract``.
         gaps_stay_zero: ``subtract`` leaves the gaps' zeros as they are (what it subtracts there is 0), so

@@ -122,8 +122,8 @@ class Segments:
     def coarse_rows(self) -> "Segments":
         """This layout in rows as long as its tensors' sizes allow (their greatest common divisor) when it has
         no gaps and rows shorter than :data:`ROW_INDEX_ALIGN`, else itself: the same elements, so that a value
-        per tensor spreads over few rows (:meth:`expand`: one gather by a small kept index rather than an
-        index made per call)."""
+        per tensor spreads over as few rows as the sizes allow (:meth:`expand`; with a divisor of 32 or more,
+        one gather by a small kept index)."""
         if self.padded or self.align >= ROW_INDEX_ALIGN:
             return self
         return Segments(self.names, self.shapes, math.gcd(*self.numels))
@@ -171,7 +171,8 @@ class Segments:
         """``per_segment`` (one value per tensor along ``dim``) repeated over each tensor's rows along
         ``dim``: one gather by the kept :meth:`row_segments` for rows of at least :data:`ROW_INDEX_ALIGN`
         elements (at most 4 bytes of index per 32 elements), else ``repeat_interleave`` by the tensors'
-        row counts (an index made per call: nothing per row kept; two operations, no host read)."""
+        row counts (an index made per call, 8 bytes per row while it lives: nothing per row kept; two ATen
+        operations, a cumulative sum and a gather among their kernels; no host read)."""
         device = per_segment.device
         if self.align >= ROW_INDEX_ALIGN:
             return per_segment.index_select(dim, self.row_segments(device))

@@ -165,7 +165,8 @@ class WorkerPipeline:
         """:meth:`protocol` for every compressed tensor of a bucket at once, in one flat buffer
         (:meth:`~lightning_gradcomp.compressors.base.Compressor.exchange_segments`): ``p = g + e`` by one
         ``cat`` and one ``add``, the compressor's bucket protocol, error feedback on the flat buffer, and
-        one multi-tensor copy of the results into ``outs``."""
+        one multi-tensor copy of the results into ``outs`` — or none, where the one destination holds the
+        whole layout (:func:`_whole_layout`: the results are written straight into it)."""
         for view, ctx in zip(views, contexts):
             if view.numel() > MAX_NUMEL:
                 raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
