@@ -178,8 +178,8 @@ class _QuantisedAllReduce(Compressor):
         blocks = flat.view(-1, block)
         if plan.gather is not None:
             own = blocks.index_select(0, plan.gather).to(torch.float32)
-            if plan.keep is not None:  # blocks past a tensor's end: zeros there (a select: NaN-safe)
-                own = torch.where(plan.keep, own, 0.0)
+            if plan.past_end is not None:  # blocks past a tensor's end: zeros there (a fill: NaN-safe)
+                own.masked_fill_(plan.past_end, 0.0)
         elif plan.padding:  # a lone tensor: its blocks, then zero blocks
             own = torch.cat([blocks, segments.constant(("zero blocks", plan.padding, flat.dtype), device,
                                                        lambda device: flat.new_zeros(plan.padding, block))])
@@ -240,7 +240,7 @@ class _ChunkPlan:
         width = sum(per_chunk)
         positions = index_dtype(max(workers * width, segments.rows))
         gather = torch.zeros(workers, width, dtype=positions)  # the flat buffer's block of each block sent
-        keep = torch.ones(workers, width, dtype=torch.bool)
+        past_end = torch.zeros(workers, width, dtype=torch.bool)
         scatter = torch.empty(segments.rows, dtype=positions)  # the block sent that holds each flat block
         column = 0
         for index, q in enumerate(per_chunk):
@@ -248,7 +248,7 @@ class _ChunkPlan:
             offsets = torch.arange(workers * q)  # chunk-major: c·q + j
             real = offsets < count
             gather[:, column:column + q] = torch.where(real, first + offsets, first).view(workers, q)
-            keep[:, column:column + q] = real.view(workers, q)
+            past_end[:, column:column + q] = ~real.view(workers, q)
             mine = torch.arange(count)
             scatter[first:first + count] = (mine // q) * width + column + mine % q
             column += q
@@ -257,9 +257,9 @@ class _ChunkPlan:
         self.padding = workers * width - segments.rows if lone else 0
         self.gather: Optional[Tensor] = None if lone else to_device(gather.view(-1), device)
         self.scatter: Optional[Tensor] = None if lone else to_device(scatter, device)
-        #: False for the blocks past a tensor's end, shaped to mask whole blocks; None without such blocks
+        #: True for the blocks past a tensor's end, shaped to mask whole blocks; None without such blocks
         padded = any(workers * q > segments.rows_of(index) for index, q in enumerate(per_chunk))
-        self.keep: Optional[Tensor] = to_device(keep.view(-1, 1), device) if padded and not lone else None
+        self.past_end: Optional[Tensor] = None if lone or not padded else to_device(past_end.view(-1, 1), device)
         #: each tensor's owner residual, as per tensor: (chunk / block, block)
         self.owner_layout = Segments(segments.names, tuple((q, block) for q in per_chunk), block)
 
