@@ -65,8 +65,9 @@ def main() -> None:
                                          workers=args.workers).ops.values())
             cells.append(f"{total}" + (" **over**" if total > bound(count) else ""))
         segmented = COMPRESSORS[name]().segment_alignment(torch.device("cuda")) is not None
-        kept = layout_constant_bytes(COMPRESSORS[name], 4, shape=(300, 301), workers=8) / (4 * 300 * 301)
-        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} | {kept:.3f} |")
+        kept = (f"{layout_constant_bytes(COMPRESSORS[name], 4, shape=(300, 301), workers=8) / (4 * 300 * 301):.3f}"
+                if segmented else "-")
+        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} | {kept} |")
     print(f"\nbudget: {', '.join(f'P={count}: {bound(count)}' for count in args.tensors)}; kept per layout: "
           "the indices, masks and plans the engine keeps for a bucket of 4 tensors of 300 x 301 and 8 workers "
           "(GPU memory for as long as the buckets last)")

@@ -424,7 +424,7 @@ def test_a_whole_bucket_equals_the_per_tensor_path_for_any_layout_of_tiles(layou
 def test_a_bucket_keeps_an_index_per_band_or_per_run_not_per_element() -> None:
     """Tensors with as many columns: an index per band of 64 rows (a few bytes per 64 x 1001 elements);
     tensors of one tile shape and several column counts: an index per run of a tile's row (4 bytes per 64
-    elements); the momentum's layout in rows as long as the sizes allow."""
+    elements); a commit of per-tensor flags spreads them over rows as long as the sizes allow."""
     from lightning_gradcomp.compressors.demo import _TileGroups
     from lightning_gradcomp.core.segments import Segments
 
@@ -435,6 +435,6 @@ def test_a_bucket_keeps_an_index_per_band_or_per_run_not_per_element() -> None:
         return indices, segments.total, plan
 
     indices, total, plan = held(((1000, 1001),) * 4)  # tiles of 50 x 13: 20 bands a tensor
-    assert indices == 4 * 20 * 4 and plan.layout.rows == 4
+    assert indices == 4 * 20 * 4 and plan.layout.coarse_rows.rows == 4
     indices, total, plan = held(((768, 768), (768, 3072), (3072, 768)))  # tiles of 64 x 64
-    assert indices == total // 64 * 4 and plan.layout.rows == total // (768 * 768)
+    assert indices == total // 64 * 4 and plan.layout.coarse_rows.rows == total // (768 * 768)

@@ -212,7 +212,7 @@ def test_a_whole_bucket_equals_the_per_tensor_path_bit_for_bit(shapes: dict, kwa
 def test_a_bucket_keeps_a_few_bytes_per_chunk_not_per_element() -> None:
     """The bucket-wise plan keeps per chunk its start, its member and its member's first lookup key (and
     where padding may be chosen, its real entries): 12 to 16 bytes per 4096 elements, and the longest padding
-    once; the accumulator's layout has one row per tensor of equal sizes."""
+    once; a commit of per-tensor flags spreads them over one row per tensor of equal sizes."""
     shapes = ((1000, 1001),) * 3 + ((4096,), (5000,))
     segments = Segments(tuple(f"w{index}" for index in range(len(shapes))), shapes, 1)
     plan = _ChunkGroups(SparseLoCo(), segments, torch.device("cpu"))
@@ -220,6 +220,6 @@ def test_a_bucket_keeps_a_few_bytes_per_chunk_not_per_element() -> None:
     kept = [tensor for group in plan.groups for tensor in vars(group).values() if isinstance(tensor, torch.Tensor)]
     assert sum(tensor.numel() * tensor.element_size() for tensor in kept) <= 16 * chunks + 8 * len(shapes)
     assert [group.length for group in plan.groups] == [4096]  # one group: padded, read by one cat
-    assert plan.layout.align == math.gcd(*segments.numels) and plan.layout.starts == segments.starts
+    assert segments.coarse_rows.align == math.gcd(*segments.numels) and segments.coarse_rows.starts == segments.starts
     equal = Segments(("a", "b"), ((1000, 1001), (1000, 1001)), 1)
-    assert _ChunkGroups(SparseLoCo(), equal, torch.device("cpu")).layout.rows == 2
+    assert equal.coarse_rows.rows == 2

@@ -427,19 +427,17 @@ class DeMo(Compressor):
     def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                        state: SegmentsState) -> Optional[Tensor]:
         """:meth:`dense` of every tensor sent dense, at once: ``δ ← β·δ + η·g`` on the flat state, all of
-        it sent (the state 1-D per tensor, as per tensor, in rows as long as the sizes allow)."""
-        layout: Segments = segments.constant("demo-dense-state", flat.device, lambda device: segments.state_layout(
-            tuple((numel,) for numel in segments.numels)))
+        it sent."""
         lr = self._learning_rate()
         scaled = flat * lr if isinstance(lr, Tensor) or lr != 1.0 else flat
-        previous = state.get(MOMENTUM, layout)
+        previous = state.get(MOMENTUM)
         momentum = scaled.clone() if previous is None else torch.add(scaled, previous, alpha=self.decay)
         dtype = contexts[0].dtype or flat.dtype
         if dtype == momentum.dtype:  # all of it sent exactly: the momentum is emptied
-            state.commit(MOMENTUM, torch.zeros_like(momentum), layout)
+            state.commit(MOMENTUM, torch.zeros_like(momentum))
             return momentum
         sent = momentum.to(dtype)
-        state.commit(MOMENTUM, momentum.sub_(sent), layout)  # what rounding to a 16-bit dtype lost
+        state.commit(MOMENTUM, momentum.sub_(sent))  # what rounding to a 16-bit dtype lost
         return sent
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
@@ -598,13 +596,11 @@ class _TileGroups:
     """Constants of DeMo's bucket-wise exchange for one layout: each tensor's :class:`Tiling`, the tensors
     grouped by tile shape (in order of first appearance), and the momentum's layout (``(tiles, a·b)`` per
     tensor, in the bucket's order; the groups' momentum lies in group order, one ``cat`` away from it where
-    the two differ).
-
-    The momentum's layout has rows as long as its tensors' sizes allow (:meth:`Segments.state_layout`)."""
+    the two differ)."""
 
     def __init__(self, demo: DeMo, segments: Segments, device: torch.device) -> None:
         self.tilings = [demo.tiling(numel, shape) for numel, shape in zip(segments.numels, segments.shapes)]
-        self.layout = segments.state_layout(tuple((tiling.tiles, tiling.tile) for tiling in self.tilings))
+        self.layout = Segments(segments.names, tuple((tiling.tiles, tiling.tile) for tiling in self.tilings), 1)
         members: dict[tuple[int, int], list[int]] = {}
         for index, tiling in enumerate(self.tilings):
             members.setdefault((tiling.a, tiling.b), []).append(index)

@@ -197,7 +197,7 @@ class SparseLoCo(Compressor):
         scatter-adds per group into the bucket's sums and counts."""
         plan: _ChunkGroups = segments.constant(("sparseloco", self.chunk, self.k), flat.device,
                                                lambda device: _ChunkGroups(self, segments, device))
-        previous = state.get(ACCUMULATOR, plan.layout)
+        previous = state.get(ACCUMULATOR)
         accumulator = flat.clone() if previous is None else torch.add(flat, previous, alpha=self.decay)
         magnitudes = accumulator.abs() if plan.padded else None  # of every padded group's chunks: read once
         wire = contexts[0].wire_dtype(flat)
@@ -222,7 +222,7 @@ class SparseLoCo(Compressor):
                     decoded = torch.where(group.real(within).view(-1), decoded, 0.0)
             sent.append((positions, decoded))
             accumulator.index_add_(0, positions, decoded.to(accumulator.dtype), alpha=-1.0)  # padding: 0 added
-        state.commit(ACCUMULATOR, accumulator, plan.layout)
+        state.commit(ACCUMULATOR, accumulator)
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
         step = 2 if self.bits is None else 3
 
@@ -367,15 +367,11 @@ class _ChunkGroup:
 
 class _ChunkGroups:
     """Constants of SparseLoCo's bucket-wise exchange for one layout: each tensor's chunk layout, the tensors
-    grouped by chunk length (in order of first appearance), and the accumulator's layout.
-
-    The accumulator lies as the bucket does, 1-D per tensor as per tensor, in a layout of its own whose rows
-    are as long as the tensors' sizes allow (:meth:`Segments.state_layout`)."""
+    grouped by chunk length (in order of first appearance)."""
 
     def __init__(self, compressor: SparseLoCo, segments: Segments, device: torch.device) -> None:
         layouts = [compressor._layout(numel) for numel in segments.numels]
         self.counts = [chunks * k for _, chunks, k, _ in layouts]
-        self.layout = segments.state_layout(tuple((numel,) for numel in segments.numels))
         levels = 2 ** compressor.bits if compressor.bits is not None else 1
         members: dict[int, list[int]] = {}
         for index, (length, _, _, _) in enumerate(layouts):

@@ -128,13 +128,6 @@ class Segments:
             return self
         return Segments(self.names, self.shapes, math.gcd(*self.numels))
 
-    def state_layout(self, shapes: Sequence[tuple[int, ...]]) -> "Segments":
-        """A layout of these tensors for a state of ``shapes`` (as many elements each) that lies as the tensors
-        do, in rows as long as their sizes allow: their greatest common divisor where this layout has no gaps.
-        A commit that keeps some tensors' previous state (a gradient not finite) spreads the tensors' flags
-        over the rows (:meth:`expand`): a few rows, not one per element."""
-        return Segments(self.names, tuple(shapes), self.align if self.padded else math.gcd(*self.numels))
-
     def constant(self, key: object, device: torch.device, build: Callable[[torch.device], Tensor]) -> Tensor:
         """A tensor that depends only on the layout, built by ``build(device)`` once per device and kept."""
         slot = (key, str(device))
