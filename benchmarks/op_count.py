@@ -10,7 +10,10 @@ along the accelerator path, the code a GPU runs (no host reads; compressors that
 bucket at once do so); ``--cpu-path`` counts the CPU path. On a GPU each op is at least one kernel
 launch, 5-10 µs of host time: the issue's budget is 40 + 3·P. The last column: the bytes of indices,
 masks and plans the engine keeps per bucket layout (GPU memory for as long as the buckets last), per
-gradient element, for 4 tensors of 300 x 301 and 8 workers.
+gradient element, for 4 tensors of 300 x 301 and 8 workers. The two traffic columns: the bytes those ops
+read and write per gradient element, estimated from their arguments (``OpCounter.traffic``): on a GPU,
+where element-wise kernels are bound by memory bandwidth, the cost beside the launches (one fp32 copy of
+the gradient is 8 bytes per element).
 
 With ``--model`` (``torchvision:<name>``, ``mlp:<widths>`` or a class path, as ``gradcomp estimate``
 takes), one step of that model's parameters in DDP's buckets (25 MB, the first 1 MB; tensors under 1024
@@ -56,8 +59,9 @@ def main() -> None:
         model_table(args.model, names, args.workers)
         return
     print(f"| compressor (default settings) | {' | '.join(f'P={count}' for count in args.tensors)} | "
-          f"whole bucket at once | kept per layout (bytes per element) |")
-    print("|---|" + "---|" * (len(args.tensors) + 2))
+          f"whole bucket at once | kept per layout (bytes per element) | traffic, P={TRAFFIC_TENSORS} "
+          f"(bytes per element) | traffic, one 1024 x 1024 tensor |")
+    print("|---|" + "---|" * (len(args.tensors) + 4))
     for name in names:
         cells = []
         for count in args.tensors:
@@ -67,10 +71,24 @@ def main() -> None:
         segmented = COMPRESSORS[name]().segment_alignment(torch.device("cuda")) is not None
         kept = (f"{layout_constant_bytes(COMPRESSORS[name], 4, shape=(300, 301), workers=8) / (4 * 300 * 301):.3f}"
                 if segmented else "-")
-        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} | {kept} |")
+        traffic = [traffic_per_element(COMPRESSORS[name], tensors, shape, not args.cpu_path, args.workers)
+                   for tensors, shape in ((TRAFFIC_TENSORS, (128, 128)), (1, (1024, 1024)))]
+        print(f"| {name} | {' | '.join(cells)} | {'yes' if segmented else 'no'} | {kept} | "
+              f"{traffic[0]:.0f} | {traffic[1]:.0f} |")
     print(f"\nbudget: {', '.join(f'P={count}: {bound(count)}' for count in args.tensors)}; kept per layout: "
           "the indices, masks and plans the engine keeps for a bucket of 4 tensors of 300 x 301 and 8 workers "
-          "(GPU memory for as long as the buckets last)")
+          "(GPU memory for as long as the buckets last); traffic: the bytes the ops read and write per gradient "
+          "element, estimated (tests/_op_count.py: a GPU's memory traffic; one fp32 copy is 8)")
+
+
+#: Tensors of 128 x 128 in the bucket whose memory traffic is estimated.
+TRAFFIC_TENSORS = 10
+
+
+def traffic_per_element(make, tensors: int, shape: tuple[int, int], accelerator: bool, workers: int) -> float:
+    """Estimated bytes read and written per gradient element by one worker's exchange of a bucket."""
+    counter = count_bucket_ops(make, tensors, shape=shape, accelerator=accelerator, workers=workers)
+    return sum(counter.traffic.values()) / (tensors * math.prod(shape))
 
 
 def model_table(spec: str, names: list[str], workers: int) -> None:

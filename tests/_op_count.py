@@ -18,6 +18,7 @@ from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.device import accelerator_path
@@ -33,17 +34,64 @@ SHAPE = (128, 128)
 NOT_COUNTED = ("aten::detach", "aten::lift_fresh", "aten::_unsafe_view")
 
 
+#: Ops that write into a few rows of their first argument: they move their values and index, not all of it.
+SCATTERS = {"index_add_", "index_copy_", "index_put_", "index_fill_", "scatter_", "scatter_add_", "scatter_reduce_"}
+#: Ops that read a few rows of their first argument: as many bytes as they write, plus the index.
+GATHERS = {"index_select", "gather", "index", "take", "embedding"}
+#: Ops that only write their output (or nothing: ``empty``).
+WRITE_ONLY = {"zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "new_zeros",
+              "new_full", "new_ones", "arange"}
+NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts non-view ATen calls by name."""
+    """Counts non-view ATen calls by name, and estimates the memory traffic of each (:attr:`traffic`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
+        #: Estimated bytes read and written by each op (by name): every tensor argument read once and every
+        #: output written once, except for gathers and scatters (their rows only), fills (written only) and
+        #: copies; a proxy for a GPU's memory traffic, where element-wise kernels are bandwidth-bound.
+        self.traffic: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not func.is_view and func._schema.name not in NOT_COUNTED:
-            self.ops[func._schema.name.removeprefix("aten::")] += 1
-        return func(*args, **(kwargs or {}))
+            name = func._schema.name.removeprefix("aten::")
+            self.ops[name] += 1
+            self.traffic[name] += _traffic(name, args, kwargs, out)
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [item for item in tree_flatten(value)[0] if isinstance(item, torch.Tensor)]
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _traffic(name: str, args: tuple, kwargs: dict, out: Any) -> int:
+    """Estimated bytes one op reads and writes (:attr:`OpCounter.traffic`)."""
+    written = _tensors(out)
+    inputs = [tensor for tensor in _tensors((args, {key: value for key, value in kwargs.items() if key != "out"}))]
+    if name in NO_TRAFFIC:
+        return 0
+    if name in WRITE_ONLY:
+        return _nbytes(written)
+    if name in SCATTERS:  # the index and the values read, the values' rows read and written
+        moved = _nbytes(inputs[1:])
+        return moved + 2 * _nbytes([tensor for tensor in inputs[1:] if tensor.is_floating_point()])
+    if name in GATHERS:  # the index, and the rows read and written
+        return 2 * _nbytes(written) + _nbytes([tensor for tensor in inputs if not tensor.is_floating_point()])
+    if name.startswith("_foreach_") and name.endswith("_"):  # in place: the first list read and written
+        return _nbytes(inputs) + _nbytes(_tensors(args[0]))
+    if name == "copy_":  # the destination written, the source read (unless broadcast: a value)
+        source = inputs[1:2] if inputs[1:2] and inputs[1].numel() == inputs[0].numel() else []
+        return _nbytes(inputs[:1]) + _nbytes(source)
+    return _nbytes(inputs) + _nbytes(written)
 
 
 def _counted(protocol: Generator, counter: OpCounter) -> Generator:

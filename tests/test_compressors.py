@@ -18,7 +18,15 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
-from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
+from lightning_gradcomp.compressors.bitpack import (
+    pack,
+    pack_grouped,
+    pack_rows,
+    packed_nbytes,
+    unpack,
+    unpack_grouped,
+    unpack_rows,
+)
 
 
 def ctx(step: int = 0, rank: int = 0, name: str = "w") -> CompressContext:
@@ -174,6 +182,25 @@ def test_rows_packed_apart_unpack_together(bits: int, numel: int) -> None:
     gathered = torch.zeros(3, packed.shape[1] + 4, dtype=torch.uint8)  # rows of a gathered buffer, padded
     gathered[:, :packed.shape[1]] = packed
     assert torch.equal(unpack_rows(gathered[:, :packed.shape[1]], bits, numel), codes)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_grouped_codes_are_each_groups_little_endian_word(bits: int) -> None:
+    """pack_grouped (the bucket-wise quantisers' format): each group of g codes fills w bytes, byte i holding
+    bits 8i..8i+7 of ``Σ_j c_j·2^(j·bits)``, row by row; unpacking a strided view of gathered rows gives the
+    codes back, in their integer dtype or the one asked for."""
+    group = 8 // math.gcd(8, bits)
+    width = group * bits // 8
+    codes = torch.randint(0, 2**bits, (3, 8 * 41), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    words = (codes.to(torch.int64).view(3, -1, group) << (torch.arange(group) * bits)).sum(-1, keepdim=True)
+    expected = ((words >> (torch.arange(width) * 8)) & 0xFF).to(torch.uint8).view(3, -1)
+    packed = pack_grouped(codes, bits)
+    assert torch.equal(packed, expected)
+    gathered = torch.zeros(3, packed.shape[1] + 5, dtype=torch.uint8)
+    gathered[:, 2:2 + packed.shape[1]] = packed
+    rows = gathered[:, 2:2 + packed.shape[1]]
+    assert torch.equal(unpack_grouped(rows, bits, None).to(torch.int64), codes.to(torch.int64))
+    assert unpack_grouped(rows, bits, torch.float32).dtype == torch.float32
 
 
 def test_names_build_default_instances() -> None:

@@ -298,6 +298,48 @@ def test_tensors_sent_dense_cost_a_fixed_number_of_ops(name: str) -> None:
     assert with_small - alone <= 12, (alone, with_small)
 
 
+#: whole-bucket writes that make a void bucket's results NaN themselves: a buffer filled with the verdict flag
+#: for those that scatter-add, the flag added to the scales, norms or means the others multiply or write
+FOLD_THE_VERDICT = [("topk", {}), ("dgc", {}), ("sparseloco", {"aggregate": "all"}), ("demo", {"sign": False}),
+                    ("int8", {}), ("int4", {}), ("fp8", {}), ("fp4", {}), ("qsgd", {}), ("terngrad", {}),
+                    ("signsgd", {}), ("efsignsgd", {}), ("none", {}), ("fp16", {}), ("bf16", {})]
+
+
+@pytest.mark.parametrize("name,options", FOLD_THE_VERDICT, ids=[name for name, _ in FOLD_THE_VERDICT])
+def test_a_void_bucket_needs_no_pass_over_its_results(name: str, options: dict, monkeypatch) -> None:
+    """A bucket not finite on some worker has NaN results on every worker (checked with the per-tensor path's
+    results in every comparison above, step 2): the engine's multi-tensor add of the verdict flag over every
+    result (a read and a write of the whole bucket on a GPU) is left to these compressors' writes, which fold
+    the flag in where it costs a small tensor's op."""
+    from lightning_gradcomp.exchange.engine import BucketVerdict
+
+    poisoned: list[int] = []
+    original = BucketVerdict.poison
+
+    def spy(self, outs, summed) -> None:
+        poisoned.append(len(outs))
+        original(self, outs, summed)
+
+    monkeypatch.setattr(BucketVerdict, "poison", spy)
+    count_bucket_ops(lambda: COMPRESSORS[name](**options), 10)
+    assert poisoned and not any(poisoned), poisoned
+
+
+def test_the_traffic_estimate_reads_and_writes_what_each_op_touches() -> None:
+    """The memory-traffic estimate of benchmarks/op_count.py: an element-wise op reads its inputs and writes its
+    output, a fill only writes, a scatter-add moves its rows and index, not the whole destination."""
+    from tests._op_count import OpCounter
+
+    x, rows, values = torch.zeros(1000, 100), torch.tensor([3, 5]), torch.ones(2, 100)
+    with OpCounter() as counter:
+        x.add_(1.0)
+        x.zero_()
+        x.index_add_(0, rows, values)
+        torch.index_select(x, 0, rows)
+    assert dict(counter.traffic) == {"add_": 800_000, "zero_": 400_000, "index_add_": 2 * 800 + 800 + 16,
+                                     "index_select": 2 * 800 + 16}
+
+
 def test_the_op_count_sees_a_per_tensor_loop() -> None:
     """The counter is not blind: the per-tensor protocols of the same compressor exceed the budget."""
     from lightning_gradcomp.exchange.engine import ExchangeEngine

@@ -95,6 +95,10 @@ class CompressContext:
             to the compressor may be wider: under error feedback it is ``g + e`` in fp32 (residuals are
             kept in fp32 whatever the gradient's dtype, :func:`~lightning_gradcomp.core.device.state_dtype`).
             ``None``: the tensor's own dtype.
+        verdict: after the protocol's last round, the bucket's verdict as a 0-d floating tensor: 0, or NaN
+            when some worker's gradients were not finite. Added to a result it makes the result NaN exactly
+            when the bucket is void, with no host read. The engine makes the results NaN itself, unless the
+            protocol added the flag and set this back to ``None``.
     """
 
     name: str
@@ -106,6 +110,7 @@ class CompressContext:
     shape: tuple[int, ...] = ()
     finite: "Optional[Finite]" = True
     dtype: Optional[torch.dtype] = None
+    verdict: Optional[Tensor] = None
 
     def commit(self, key: str, new: Tensor, check_result: bool = False) -> None:
         """Keep ``new`` as this parameter's state ``key``, the one rule for compressor state: unless the
@@ -364,6 +369,17 @@ class Compressor(ABC):
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments, for logs and ``repr``."""
         return {}
+
+
+def take_verdict(contexts: Sequence[CompressContext]) -> Optional[Tensor]:
+    """The bucket's verdict flag (:attr:`CompressContext.verdict`: 0, or NaN for a void bucket), for a
+    bucket-wise ``write`` that folds it into its results itself, cheaply (added to a small tensor every
+    result is a multiple of, or to the result as it is written), taken from every context: the engine then
+    makes no pass of its own over the results. ``None`` if not known yet, or already taken."""
+    verdict = contexts[0].verdict if contexts else None
+    for ctx in contexts:
+        ctx.verdict = None
+    return verdict
 
 
 def sparse_count(density: float, numel: int) -> int:

@@ -171,24 +171,57 @@ def pack_grouped(codes: Tensor, bits: int) -> Tensor:
     layout = _grouped_constants(bits, codes.device)
     if width == 1:  # 1, 2 or 4 bits: the group fills one byte, no wider word needed
         return codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(layout[2]).sum(dim=-1, dtype=torch.uint8)
+    word = _grouped_word(width)
+    if word is not None:  # the group's word (the shift widens the uint8 codes), its low bytes in memory order
+        shifts = _grouped_word_shifts(bits, word, codes.device)
+        words = codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(shifts).sum(dim=-1, keepdim=True,
+                                                                                          dtype=word)
+        return words.view(torch.uint8)[..., :width].reshape(*codes.shape[:-1], -1)
     words = codes.view(*codes.shape[:-1], -1, group).to(torch.int64).bitwise_left_shift_(layout[0]).sum(dim=-1,
                                                                                                        keepdim=True)
     return words.bitwise_right_shift(layout[1]).to(torch.uint8).view(*codes.shape[:-1], -1)
 
 
-def unpack_grouped(packed: Tensor, bits: int, dtype: torch.dtype = torch.uint8) -> Tensor:
-    """Inverse of :func:`pack_grouped` over the last dimension: the codes, as ``dtype``."""
+def unpack_grouped(packed: Tensor, bits: int, dtype: Optional[torch.dtype] = torch.uint8) -> Tensor:
+    """Inverse of :func:`pack_grouped` over the last dimension: the codes, as ``dtype`` (``None``: the
+    integer dtype they are decoded in, saving a conversion where the caller's next operation converts)."""
     group, width = _group_layout(bits)
     if group == 1:
-        return packed.to(dtype)
+        return packed if dtype is None else packed.to(dtype)
     layout = _grouped_constants(bits, packed.device)
     if width == 1:
-        codes = packed.unsqueeze(-1).bitwise_right_shift(layout[2]).bitwise_and_((1 << bits) - 1).to(dtype)
-        return codes.view(*packed.shape[:-1], -1)
+        codes = packed.unsqueeze(-1).bitwise_right_shift(layout[2]).bitwise_and_((1 << bits) - 1)
+        codes = codes.view(*packed.shape[:-1], -1)
+        return codes if dtype is None else codes.to(dtype)
+    word = _grouped_word(width)
+    if word is not None:  # each group's bytes, padded to a word and read as one (little-endian)
+        size = torch.iinfo(word).bits // 8
+        words = torch.nn.functional.pad(packed.view(*packed.shape[:-1], -1, width), (0, size - width)).view(word)
+        codes = words.bitwise_right_shift(_grouped_word_shifts(bits, word, packed.device)).bitwise_and_((1 << bits) - 1)
+        codes = codes.view(*packed.shape[:-1], -1)
+        return codes if dtype is None else codes.to(dtype)
+    if dtype is None:
+        dtype = torch.int64
     words = packed.view(*packed.shape[:-1], -1, width).to(torch.int64).bitwise_left_shift_(layout[1]).sum(
         dim=-1, keepdim=True)
     codes = words.bitwise_right_shift(layout[0]).bitwise_and_((1 << bits) - 1).to(dtype)
     return codes.view(*packed.shape[:-1], -1)
+
+
+def _grouped_word(width: int) -> Optional[torch.dtype]:
+    """The integer that holds a group of ``width`` bytes (:func:`pack_grouped`) as one word in memory order:
+    int32 up to 3 bytes (3- and 6-bit codes: never negative), int64 up to 7 (5- and 7-bit codes); ``None`` on
+    a big-endian machine (shifts and byte planes instead)."""
+    if sys.byteorder != "little":
+        return None
+    return torch.int32 if width <= 3 else torch.int64
+
+
+def _grouped_word_shifts(bits: int, word: torch.dtype, device: torch.device) -> Tensor:
+    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, as ``word``, kept per device."""
+    group, _ = _group_layout(bits)
+    return device_constant(("grouped word shifts", bits, word), device,
+                           lambda: torch.arange(group, dtype=word) * bits)
 
 
 _GROUPED: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}

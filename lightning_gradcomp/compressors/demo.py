@@ -509,7 +509,8 @@ class DeMo(Compressor):
                 sent_sq = sent_sq.index_select(0, plan.member_order)
             return carried, carried + sent_sq
 
-        return SegmentsOutcome([tiling.count for tiling in plan.tilings], subtract, write, error)
+        # scatter-adds; the sign then (torch.sign(NaN) is 0) would lose a NaN filled in
+        return SegmentsOutcome([tiling.count for tiling in plan.tilings], subtract, write, error, adds=not self.sign)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import Mean, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
@@ -43,7 +43,8 @@ class _DenseSegments(Compressor):
         (mean,) = yield Round([Mean(sent)], last=True)
 
         def write(out: Tensor) -> None:
-            out.copy_(mean)
+            verdict = take_verdict(contexts)  # NaN for a void bucket: added as the mean is written
+            torch.add(mean, verdict, out=out) if verdict is not None else out.copy_(mean)
 
         def subtract(residual: Tensor) -> None:
             residual.sub_(sent.to(residual.dtype))

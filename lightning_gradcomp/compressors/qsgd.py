@@ -8,10 +8,10 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, check_int
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, check_int, take_verdict
 from lightning_gradcomp.compressors.bitpack import pack, pack_grouped, packed_nbytes, unpack, unpack_grouped
 from lightning_gradcomp.compressors.scratch import scratch
-from lightning_gradcomp.core.device import host_reads_allowed, to_device
+from lightning_gradcomp.core.device import device_constant, host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -192,7 +192,7 @@ class QSGD(Compressor):
                 group, index = _spread_index(segments, kept, device)
                 lead = all_codes.shape[:-1]
                 all_codes = all_codes.view(*lead, -1, group).index_select(-2, index).view(*lead, -1)
-            values = all_codes.to(self._work_dtype).sub_(levels)  # no copy when already decoded to floats
+            values = torch.sub(all_codes, _level_offset(levels, self._work_dtype, device))  # ints in, floats out
             values = values.view(*all_codes.shape[:-1], row_count, -1)
             weight = all_norms.to(values.dtype) * (alpha / levels)
             if self.bucket_size > ROW_BUCKETS:
@@ -200,8 +200,12 @@ class QSGD(Compressor):
             return values.mul_(weight.unsqueeze(-1))
 
         def write(out: Tensor) -> None:
-            received = unpack_grouped(stacked(rows, 1), bits, self._work_dtype)
-            values = decoded(received, stacked(rows, 0), 1.0 / workers)
+            received = unpack_grouped(stacked(rows, 1), bits, None)  # integer codes: `decoded` converts
+            received_norms = stacked(rows, 0)
+            verdict = take_verdict(contexts)  # NaN for a void bucket: in every norm, so in every value
+            if verdict is not None:
+                received_norms = received_norms + verdict
+            values = decoded(received, received_norms, 1.0 / workers)
             torch.sum(values, dim=0, out=out.view(row_count, -1))
 
         def subtract(residual: Tensor) -> None:
@@ -247,6 +251,14 @@ def offset_uniform(numel: int, low: float, dtype: torch.dtype, generator: torch.
     out.copy_(words.view(torch.int16)[:numel])  # r, uniform on [-2^15, 2^15)
     offset = torch.tensor(low + 0.5 + 2.0 ** -(NOISE_BITS + 1), dtype=dtype)
     return torch.add(offset, out, alpha=2.0**-NOISE_BITS, out=out)
+
+
+def _level_offset(levels: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``s`` as a 0-d tensor of ``dtype`` on ``device``, kept: ``codes − s`` of integer codes is then one
+    operation that also converts (a 0-d floating operand sets the result's dtype), exact for these small
+    integers."""
+    return device_constant(("qsgd level offset", levels, dtype), device,
+                           lambda: torch.tensor(float(levels), dtype=dtype))
 
 
 def _sent_spans(segments: Segments) -> Optional[list[tuple[int, int]]]:

@@ -36,6 +36,7 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     check_bool,
     check_int,
+    take_verdict,
 )
 from lightning_gradcomp.compressors.bitpack import pack, packed_nbytes, unpack
 from lightning_gradcomp.compressors.selection import peak_magnitudes
@@ -203,6 +204,9 @@ class _QuantisedAllReduce(Compressor):
 
         def write(out: Tensor) -> None:
             codes, scales = stacked(gathered, 0), stacked(gathered, 1)
+            verdict = take_verdict(contexts)  # NaN for a void bucket: in every scale, so in every value
+            if verdict is not None:
+                scales = scales + verdict
             if plan.scatter is None and not plan.padding and out.dtype == torch.float32:  # the flat buffer
                 self._dequantise_rows(codes, scales, out=out.view(*scales.shape, block))
                 return

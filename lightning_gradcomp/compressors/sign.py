@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.compressors.bitpack import pack, pack_signs, packed_nbytes, unpack, unpack_signs
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import (
@@ -92,21 +92,24 @@ class _ScaledSigns(Compressor):
 
         def subtract(residual: Tensor) -> None:  # accumulate(payload, residual, alpha=-1), per row of 8
             scale_rows = segments.expand(scales).to(residual.dtype)
-            residual.view(row_count, -1).sub_(scale_rows).addcmul_(
-                negative.view(row_count, -1).to(residual.dtype), scale_rows, value=2.0)
+            residual.view(row_count, -1).sub_(scale_rows).addcmul_(negative.view(row_count, -1), scale_rows,
+                                                                   value=2.0)  # the bools promote: no copy
 
         def write(out: Tensor) -> None:
             signs = unpack_signs(stacked(rows, 0))  # (N, total) 0/1
             received = stacked(rows, 1)  # (N, P)
+            verdict = take_verdict(contexts)  # NaN for a void bucket: in every scale, so in every value
+            if verdict is not None:
+                received = received + verdict
             self._decode_segments(out.view(row_count, -1), signs.view(workers, row_count, -1), received, segments)
 
         return SegmentsOutcome(segments.numels, subtract, write, overwrites=True)  # every row decoded
 
     def _decode_segments(self, out: Tensor, signs: Tensor, scales: Tensor, segments: Segments) -> None:
-        """``out = (1/N) Σ_w scale_w · (1 − 2·bit_w)`` on ``(rows, 8)``."""
-        per_row = segments.spread_rows(scales, 1).unsqueeze(-1)  # (N, rows, 1)
-        contribution = signs.to(out.dtype).mul_(-2.0).add_(1.0).mul_(per_row)
-        torch.mean(contribution, dim=0, out=out)
+        """``out = (1/N) Σ_w scale_w · (1 − 2·bit_w)`` on ``(rows, 8)``: each worker's ``s − 2·s·bit`` in one
+        operation (the uint8 bits promote; exact: ``s`` or ``−s``), then the mean."""
+        per_row = segments.spread_rows(scales, 1).unsqueeze(-1).to(out.dtype)  # (N, rows, 1)
+        torch.mean(torch.addcmul(per_row, signs, per_row, value=-2.0), dim=0, out=out)
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         """``out += alpha · scale · (1 − 2·bit)``: two passes, no dense ±1 tensor."""
@@ -216,7 +219,7 @@ class SignSGD(_ScaledSigns):
     def _decode_segments(self, out: Tensor, signs: Tensor, scales: Tensor, segments: Segments) -> None:
         """The scaled majority vote: ``sign(N − 2 Σ_w bit_w) · mean_w scale_w`` on ``(rows, 8)``."""
         workers = signs.shape[0]
-        votes = signs.sum(dim=0, dtype=out.dtype).mul_(-2.0).add_(workers).sign_()
+        votes = torch.rsub(signs.sum(dim=0, dtype=out.dtype), workers, alpha=2.0).sign_()  # sign(N − 2·Σ bits)
         torch.mul(votes, segments.expand(scales.mean(dim=0)), out=out)
 
     def _voted(self, tensor: Tensor, ctx: CompressContext) -> Tensor:

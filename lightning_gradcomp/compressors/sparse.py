@@ -73,7 +73,7 @@ def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments
     def subtract(residual: Tensor) -> None:
         residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
 
-    return SegmentsOutcome(counts, subtract, write)
+    return SegmentsOutcome(counts, subtract, write, adds=True)  # scatter-adds into the buffer
 
 
 def _slot_starts(segments: Segments, counts: tuple[int, ...], device: torch.device) -> Tensor:

@@ -225,10 +225,10 @@ class SparseLoCo(Compressor):
         state.commit(ACCUMULATOR, accumulator)
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
         step = 2 if self.bits is None else 3
+        chosen_mean = self.aggregate == "chosen"
 
         def write(out: Tensor) -> None:
             workers = len(gathered)
-            chosen_mean = self.aggregate == "chosen"
             if chosen_mean:  # the mean over the workers that chose each coordinate (and a spare slot for padding)
                 sums, chosen = torch.zeros(2, segments.total + plan.spare, dtype=torch.float32,
                                            device=out.device).unbind()
@@ -259,7 +259,8 @@ class SparseLoCo(Compressor):
             for positions, decoded in sent:
                 residual.index_add_(0, positions, decoded.to(residual.dtype), alpha=-1.0)
 
-        return SegmentsOutcome(plan.counts, subtract, write)
+        # the mean over choosers is divided into every element; the mean over all workers is scatter-added
+        return SegmentsOutcome(plan.counts, subtract, write, overwrites=chosen_mean, adds=not chosen_mean)
 
     def _quantise_segments(self, values: Tensor, group: "_ChunkGroup", ones: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`_quantise` of every member tensor's selected values (``(rows, k)``, a row per chunk) at once

@@ -150,6 +150,10 @@ class SegmentsOutcome:
             the engine need not zero them again.
         overwrites: ``write`` sets every element of its buffer, gaps included, so the buffer need not be
             zero-filled first (the engine may then hand it the gradient itself).
+        adds: ``write`` only adds into its buffer (scatter-adds, and element-wise operations that keep NaN
+            NaN): a buffer filled with ``v`` comes out as ``v`` plus the result. The engine then fills it with
+            the bucket's verdict flag (0, or NaN when some worker's gradients were not finite) instead of
+            zeros, and the results need no pass of their own to be made NaN.
     """
 
     counts: Sequence[int]
@@ -158,6 +162,7 @@ class SegmentsOutcome:
     error: Optional[Callable[[], tuple[Tensor, Tensor]]] = None
     gaps_stay_zero: bool = False
     overwrites: bool = False
+    adds: bool = False
 
 
 #: What :meth:`Compressor.exchange` returns: yields rounds, receives their results, returns the outcome.

@@ -167,7 +167,9 @@ class ExchangeEngine:
                 if pending:
                     raise RuntimeError(f"gradcomp: the protocol of {names[next(iter(pending))]!r} went on "
                                        "after a round it marked last")
-                verdict.poison([entry.out for entry in entries if entry.out is not None], merged.summed_flag)
+                # the results of every tensor whose protocol did not add the flag itself (CompressContext.verdict)
+                verdict.poison([entry.out for entry, ctx in zip(entries, contexts)
+                                if entry.out is not None and ctx.verdict is not None], merged.summed_flag)
         return BucketReport(
             elements_sent=sum(sent),
             elements_total=sum(entry.grad.numel() for entry in entries),
@@ -295,7 +297,10 @@ class BucketVerdict:
 
     def tell(self, contexts: Sequence[CompressContext], summed: Tensor) -> None:
         """Set every context's ``finite`` to the bucket's verdict on every worker. (A worker's own flag
-        needs no second look: a tensor not finite here made the summed flag NaN.)"""
+        needs no second look: a tensor not finite here made the summed flag NaN.) Every context also gets the
+        summed flag itself (:attr:`CompressContext.verdict`)."""
+        for ctx in contexts:
+            ctx.verdict = summed
         if host_reads_allowed(summed.device):
             if not math.isfinite(float(summed)):
                 for ctx in contexts:

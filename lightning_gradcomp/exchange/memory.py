@@ -90,13 +90,16 @@ class CompressionMemory:
     # ------------------------------------------------------------------ whole buckets
     def compensate_bucket(self, segments: Segments, grads: Sequence[Tensor]) -> Tensor:
         """``p = g + e`` of every tensor of a bucket, in one flat buffer laid out by ``segments`` (fp32,
-        or fp64 for fp64 gradients; gaps zero): one ``cat`` and one ``add``."""
+        or fp64 for fp64 gradients; gaps zero): one ``cat`` and one ``add``; one ``add`` alone for a lone
+        tensor without a gap (a large layer filling a bucket: one pass over it, not two)."""
         dtype = state_dtype(grads[0].dtype)
         device = grads[0].device
         residual = self._flat(self.residuals, ("residual", segments.key), segments, dtype, device)
         spare = self._bucket_spares.pop(segments.key, None)
         if spare is None or spare.numel() != segments.total or spare.dtype != dtype or spare.device != device:
             spare = None
+        if residual is not None and residual.dtype == dtype and len(grads) == 1 and not segments.padded:
+            return torch.add(grads[0].reshape(-1), residual, out=spare)  # promotes 16-bit gradients as a cast would
         corrected = segments.gather(grads, dtype, out=spare)
         return corrected if residual is None else corrected.add_(residual)
 

@@ -17,7 +17,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, take_verdict
 from lightning_gradcomp.core.device import host_reads_allowed, state_dtype
 from lightning_gradcomp.core.protocol import Mean, Outcome, Round, SegmentsOutcome
 from lightning_gradcomp.core.segments import Segments, SegmentsState
@@ -198,12 +198,20 @@ class WorkerPipeline:
                                    verdict)
         written = [(out, index) for index, out in enumerate(outs) if out is not None]
         direct = _whole_layout(outs, segments, flat)
+        # a write that adds into its buffer gets it filled with the verdict flag: NaN results for a void bucket
+        fill = take_verdict(contexts) if outcome.adds and not outcome.overwrites else None
         if direct is not None:  # the result straight into the gradient: no buffer, no copy
-            if not outcome.overwrites:
+            if fill is not None:
+                direct.copy_(fill)
+            elif not outcome.overwrites:
                 direct.zero_()
             outcome.write(direct)
         elif written:
-            result = torch.zeros(segments.total, dtype=flat.dtype, device=flat.device)
+            if fill is not None:
+                result = fill.to(flat.dtype).expand(segments.total).contiguous()
+            else:  # a write that sets every element needs no zeros first (nor a pass to write them)
+                make = torch.empty if outcome.overwrites else torch.zeros
+                result = make(segments.total, dtype=flat.dtype, device=flat.device)
             outcome.write(result)
             results = segments.views(result)
             torch._foreach_copy_([out for out, _ in written], [results[index] for _, index in written])
