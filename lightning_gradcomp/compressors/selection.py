@@ -279,7 +279,9 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
     peaks for the bucket; per tensor, the ``k_t`` rows with the largest peaks (all its rows where that
     would not prune: ``64·k_t > d_t/4``); one gather of the kept rows; per tensor, the ``k_t`` largest
     magnitudes among its candidates. Every step is exact, so each tensor's set is its top-``k_t`` (up to
-    ties), the set :func:`block_topk` chooses. No host synchronisation.
+    ties), the set :func:`block_topk` chooses. No host synchronisation. When no tensor of the bucket prunes
+    (densities above about 1/256), every row is a candidate: the magnitudes of the buffer as it is, no
+    gather and no map back to positions.
 
     Returns ``(positions, finite)``: the chosen positions in ``flat`` (int64, tensor after tensor,
     ``k_t`` each) and one bool per tensor, whether it was finite (read from the row peaks; ``None``
@@ -288,12 +290,21 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
     block = CONTIGUOUS_BLOCK
     device = flat.device
     grid = flat.view(-1, block)
-    peaks = peak_magnitudes(grid, 1)
+    plan = _segmented_plan(segments, tuple(ks), device)
+    peaks = peak_magnitudes(grid, 1) if plan.pruned or report_finite else None
     # a peak is NaN or infinite exactly when an element of its row is; NaN < inf is false too
     finite = (torch.segment_reduce(peaks, "max", lengths=segments.row_lengths(device), unsafe=True).lt(math.inf)
-              if report_finite else None)
-    plan = _segmented_plan(segments, tuple(ks), device)
-    kept = plan.template.clone() if plan.pruned else plan.template
+              if peaks is not None and report_finite else None)
+    if not plan.pruned:  # every row a candidate: the magnitudes in place, a position in them is one in flat
+        magnitude = flat.abs()
+        segments.fill_gaps(magnitude, -1.0)  # a gap's zeros must not be chosen: below every real magnitude
+        chosen = torch.empty(sum(ks), dtype=torch.int64, device=device)
+        values = torch.empty(sum(ks), dtype=flat.dtype, device=device)  # topk's values: unused
+        for k, start, count, out in zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts):
+            torch.topk(magnitude[start * block:(start + count) * block], k, sorted=False,
+                       out=(values[out:out + k], chosen[out:out + k]))
+        return chosen.add_(plan.candidate_offsets), finite
+    kept = plan.template.clone()
     chosen = torch.empty(sum(ks), dtype=torch.int64, device=device)
     values = torch.empty(max(sum(ks), kept.numel()), dtype=flat.dtype, device=device)  # topk's values: unused
     if plan.pruned:

@@ -109,6 +109,11 @@ class Segments:
 
     def zero_gaps(self, flat: Tensor) -> None:
         """Set the gaps between segments of ``flat`` to zero (one ``index_fill_``; nothing without gaps)."""
+        self.fill_gaps(flat, 0)
+
+    def fill_gaps(self, flat: Tensor, value: float) -> None:
+        """Set the gaps between segments of ``flat`` to ``value`` (one ``index_fill_`` by a kept index of the
+        gaps' elements, fewer than ``align`` per tensor; nothing without gaps)."""
         if not self.padded:
             return
 
@@ -116,7 +121,7 @@ class Segments:
             gaps = [torch.arange(start + numel, start + self.rows_of(index) * self.align)
                     for index, (start, numel) in enumerate(zip(self.starts, self.numels))]
             return to_device(torch.cat(gaps), device)
-        flat.index_fill_(0, self.constant("gaps", flat.device, build), 0)
+        flat.index_fill_(0, self.constant("gaps", flat.device, build), value)
 
     @cached_property
     def coarse_rows(self) -> "Segments":
