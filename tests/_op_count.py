@@ -12,6 +12,7 @@ here) the code is the one a GPU runs; ``accelerator=False`` counts the CPU path.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, Generator, Optional, Sequence
@@ -70,7 +71,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    """Bytes of the distinct elements (a broadcast dimension, of stride 0, is read once)."""
+    return sum(math.prod(size for size, stride in zip(tensor.shape, tensor.stride()) if stride) *
+               tensor.element_size() for tensor in tensors)
 
 
 def _traffic(name: str, args: tuple, kwargs: dict, out: Any) -> int:
@@ -84,8 +87,8 @@ def _traffic(name: str, args: tuple, kwargs: dict, out: Any) -> int:
     if name in SCATTERS:  # the index and the values read, the values' rows read and written
         moved = _nbytes(inputs[1:])
         return moved + 2 * _nbytes([tensor for tensor in inputs[1:] if tensor.is_floating_point()])
-    if name in GATHERS:  # the index, and the rows read and written
-        return 2 * _nbytes(written) + _nbytes([tensor for tensor in inputs if not tensor.is_floating_point()])
+    if name in GATHERS:  # the rows read and written, and the index (the arguments after the source)
+        return 2 * _nbytes(written) + _nbytes(inputs[1:])
     if name.startswith("_foreach_") and name.endswith("_"):  # in place: the first list read and written
         return _nbytes(inputs) + _nbytes(_tensors(args[0]))
     if name == "copy_":  # the destination written, the source read (unless broadcast: a value)

@@ -300,12 +300,14 @@ def test_tensors_sent_dense_cost_a_fixed_number_of_ops(name: str) -> None:
 
 #: whole-bucket writes that make a void bucket's results NaN themselves: a buffer filled with the verdict flag
 #: for those that scatter-add, the flag added to the scales, norms or means the others multiply or write
-FOLD_THE_VERDICT = [("topk", {}), ("dgc", {}), ("sparseloco", {"aggregate": "all"}), ("demo", {"sign": False}),
+FOLD_THE_VERDICT = [("topk", {}), ("dgc", {}), ("sparseloco", {"aggregate": "all"}), ("sparseloco", {}),
+                    ("demo", {"sign": False}),
                     ("int8", {}), ("int4", {}), ("fp8", {}), ("fp4", {}), ("qsgd", {}), ("terngrad", {}),
                     ("signsgd", {}), ("efsignsgd", {}), ("none", {}), ("fp16", {}), ("bf16", {})]
 
 
-@pytest.mark.parametrize("name,options", FOLD_THE_VERDICT, ids=[name for name, _ in FOLD_THE_VERDICT])
+@pytest.mark.parametrize("name,options", FOLD_THE_VERDICT,
+                         ids=[f"{name}-{'-'.join(map(str, options.values()))}" for name, options in FOLD_THE_VERDICT])
 def test_a_void_bucket_needs_no_pass_over_its_results(name: str, options: dict, monkeypatch) -> None:
     """A bucket not finite on some worker has NaN results on every worker (checked with the per-tensor path's
     results in every comparison above, step 2): the engine's multi-tensor add of the verdict flag over every

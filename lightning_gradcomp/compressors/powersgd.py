@@ -300,7 +300,15 @@ class _Batches:
 
 
 def _joined(views: Sequence[Tensor]) -> Tensor:
-    """The tensors one after another in a new buffer (one ``cat``: no index of elements to keep)."""
+    """The tensors one after another: a view when they already are, in memory (a lone matrix; neighbours of
+    one flat buffer), else a new buffer (one ``cat``: no index of elements to keep). Read only."""
+    first = views[0]
+    size = first.element_size()
+    adjacent = all(view.is_contiguous() and view.dtype == first.dtype and
+                   view.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for view in views) and all(
+        after.data_ptr() == before.data_ptr() + before.numel() * size for before, after in zip(views, views[1:]))
+    if adjacent:
+        return first.reshape(-1) if len(views) == 1 else first.as_strided((sum(view.numel() for view in views),), (1,))
     return torch.cat(list(views))
 
 

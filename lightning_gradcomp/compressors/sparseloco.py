@@ -36,7 +36,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
 from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.core.device import device_constant, to_device
@@ -230,8 +230,10 @@ class SparseLoCo(Compressor):
         def write(out: Tensor) -> None:
             workers = len(gathered)
             if chosen_mean:  # the mean over the workers that chose each coordinate (and a spare slot for padding)
-                sums, chosen = torch.zeros(2, segments.total + plan.spare, dtype=torch.float32,
-                                           device=out.device).unbind()
+                shape = (2, segments.total + plan.spare)
+                verdict = take_verdict(contexts)  # NaN for a void bucket: both sums start NaN, so every mean is
+                sums, chosen = (torch.zeros(shape, dtype=torch.float32, device=out.device) if verdict is None
+                                else verdict.to(torch.float32).expand(shape).contiguous()).unbind()
             for number, group in enumerate(plan.groups):
                 within = unpack_rows(stacked(gathered, step * number), group.index_bits, group.count)
                 within = within.view(workers, group.rows, group.k)
