@@ -247,15 +247,25 @@ def test_powersgd_with_a_shape_per_matrix_stays_within_the_budget(tensors: int) 
     assert total <= bound(tensors), total
 
 
-@pytest.mark.parametrize("name,ceiling", [("int4", 50), ("fp4", 52), ("sparseloco", 65)])
-def test_a_few_compressors_cost_more_at_one_tensor_but_the_same_for_any_number(name: str, ceiling: int) -> None:
+@pytest.mark.parametrize("name", ["int4", "fp4"])
+@pytest.mark.parametrize("tensors", [1, 10, 100])
+def test_the_4_bit_codecs_stay_within_the_budget_for_whole_rows(name: str, tensors: int) -> None:
     """int4 and fp4 need a few more element-wise operations than int8 (a conversion and a table lookup per
-    decoding, the packing of nibbles), SparseLoCo per group of chunks a selection, per-tensor statistics, a lookup
-    and two scatter-adds (every H steps, as the outer compressor of local updates): within the budget
-    from P = 10, over it at P = 1 (fusing each codec's element-wise chain on a GPU is the way down).
-    Checked here: no per-tensor op (the same count for 10 and 100 tensors), no regression past today's
-    counts."""
-    counts = [sum(count_bucket_ops(lambda: _default(name), tensors).ops.values()) for tensors in (1, 10, 100)]
+    decoding, the packing of nibbles): within 40 + 3·P all the same where the tensors fill whole blocks."""
+    total = sum(count_bucket_ops(lambda: _default(name), tensors).ops.values())
+    assert total <= bound(tensors), total
+
+
+@pytest.mark.parametrize("name,shape,ceiling", [("int4", (100, 129), 51), ("fp4", (100, 129), 53),
+                                                ("sparseloco", (128, 128), 64)])
+def test_a_few_compressors_cost_more_at_one_tensor_but_the_same_for_any_number(name: str, shape, ceiling) -> None:
+    """Over the budget at P = 1 only: a lone 4-bit-coded tensor with a gap after it (its zero blocks joined on,
+    its result through a buffer), SparseLoCo (per group of chunks a selection, per-tensor statistics, a lookup and
+    two scatter-adds; every H steps, as the outer compressor of local updates). Checked here: no per-tensor op
+    (the same count for 10 and 100 tensors), within the budget from P = 10, no regression past today's counts
+    (fusing each codec's element-wise chain on a GPU is the way further down)."""
+    counts = [sum(count_bucket_ops(lambda: _default(name), tensors, shape=shape).ops.values())
+              for tensors in (1, 10, 100)]
     assert counts[0] <= counts[1] == counts[2] <= ceiling, counts
     assert counts[1] <= bound(10)
 

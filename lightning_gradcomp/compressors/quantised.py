@@ -148,9 +148,12 @@ class _QuantisedAllReduce(Compressor):
         The same values as :meth:`_encode` / :meth:`_decode`."""
         raise NotImplementedError
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None,
+                         plus: Optional[Tensor] = None) -> Tensor:
         """Inverse of :meth:`_quantise_rows`' bytes: ``(..., blocks, block_size)`` fp32 (``codes`` may be a
-        strided view whose last dimension is contiguous), written into ``out`` (of that shape) if given."""
+        strided view whose last dimension is contiguous), written into ``out`` (of that shape) if given.
+        ``plus``: a 0-d tensor added to every value in the same operation as the scales (the bucket's
+        verdict flag, 0 or NaN: ``0 + q·s`` rounds as ``q·s`` does)."""
         raise NotImplementedError
 
     def _block_scales(self, blocks: Tensor) -> Tensor:
@@ -204,13 +207,11 @@ class _QuantisedAllReduce(Compressor):
 
         def write(out: Tensor) -> None:
             codes, scales = stacked(gathered, 0), stacked(gathered, 1)
-            verdict = take_verdict(contexts)  # NaN for a void bucket: in every scale, so in every value
-            if verdict is not None:
-                scales = scales + verdict
+            verdict = take_verdict(contexts)  # NaN for a void bucket: added as the scales multiply
             if plan.scatter is None and not plan.padding and out.dtype == torch.float32:  # the flat buffer
-                self._dequantise_rows(codes, scales, out=out.view(*scales.shape, block))
+                self._dequantise_rows(codes, scales, out=out.view(*scales.shape, block), plus=verdict)
                 return
-            chunks = self._dequantise_rows(codes, scales).view(-1, block)
+            chunks = self._dequantise_rows(codes, scales, plus=verdict).view(-1, block)
             if plan.scatter is None:  # a lone tensor: the first blocks
                 out.copy_(chunks[:segments.rows].view(-1))
             elif out.dtype == chunks.dtype:
@@ -295,10 +296,11 @@ class Int8AllReduce(_QuantisedAllReduce):
         codes = codes.view(*blocks.shape[:-2], -1)
         return codes, scales, lambda: self._dequantise_rows(codes, scales)
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None,
+                         plus: Optional[Tensor] = None) -> Tensor:
         """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
         first)."""
-        return torch.mul(codes.view(torch.int8).view(*scales.shape, self.block_size), scales.unsqueeze(-1), out=out)
+        return _scaled(codes.view(torch.int8).view(*scales.shape, self.block_size), scales, out, plus)
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return codes.view(torch.int8).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
@@ -334,8 +336,10 @@ class Int4AllReduce(_QuantisedAllReduce):
             levels = levels.to(torch.int8)
         return codes.view(*blocks.shape[:-2], -1), scales, lambda: torch.mul(levels, scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        return _decode_nibble_pairs(codes, scales, _nibble_pairs(_INT4_LEVELS, codes.device), self.block_size, out)
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None,
+                         plus: Optional[Tensor] = None) -> Tensor:
+        return _decode_nibble_pairs(codes, scales, _nibble_pairs(_INT4_LEVELS, codes.device), self.block_size, out,
+                                    plus)
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         numel = scales.numel() * self.block_size
@@ -383,11 +387,11 @@ class FP8AllReduce(_QuantisedAllReduce):
         codes = quantised.view(torch.uint8).view(*blocks.shape[:-2], -1)
         return codes, scales, lambda: quantised.to(torch.float32).mul_(scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None,
+                         plus: Optional[Tensor] = None) -> Tensor:
         values = codes.view(self._dtype).view(*scales.shape, self.block_size)
-        if out is None:
-            return values.to(torch.float32).mul_(scales.unsqueeze(-1))
-        return torch.mul(out.copy_(values), scales.unsqueeze(-1), out=out)
+        values = values.to(torch.float32) if out is None else out.copy_(values)
+        return _scaled(values, scales, values, plus)
 
 
 #: magnitudes of the 4-bit float formats (the 16 values are these and their negatives): E2M1 is OCP's MX FP4
@@ -454,9 +458,10 @@ class FP4AllReduce(_QuantisedAllReduce):
         values, shape = _fp4_table(self.format, blocks.device)[0], blocks.shape
         return codes, scales, lambda: values.index_select(0, ranks.view(-1)).view(shape).mul_(scales.unsqueeze(-1))
 
-    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def _dequantise_rows(self, codes: Tensor, scales: Tensor, out: Optional[Tensor] = None,
+                         plus: Optional[Tensor] = None) -> Tensor:
         table = _nibble_pairs(_fp4_values(FP4_MAGNITUDES[self.format]), codes.device)
-        return _decode_nibble_pairs(codes, scales, table, self.block_size, out)
+        return _decode_nibble_pairs(codes, scales, table, self.block_size, out, plus)
 
 
 # ---------------------------------------------------------------------- 4-bit code tables
@@ -499,14 +504,24 @@ def _nibble_pairs(levels: Sequence[float], device: torch.device) -> Tensor:
 
 
 def _decode_nibble_pairs(codes: Tensor, scales: Tensor, table: Tensor, block_size: int,
-                         out: Optional[Tensor] = None) -> Tensor:
+                         out: Optional[Tensor] = None, plus: Optional[Tensor] = None) -> Tensor:
     """``(..., blocks, block_size)`` fp32 values of bytes holding two 4-bit codes each: one table lookup
-    per byte (both codes at once), then the scales (into ``out`` if given)."""
+    per byte (both codes at once), then the scales (into ``out`` if given; ``plus`` as
+    :meth:`_QuantisedAllReduce._dequantise_rows` adds it)."""
     pairs = codes.to(torch.int32).reshape(-1)
     if out is None:
-        return table.index_select(0, pairs).view(*scales.shape, block_size).mul_(scales.unsqueeze(-1))
-    torch.index_select(table, 0, pairs, out=out.view(-1, 2))
-    return out.mul_(scales.unsqueeze(-1))
+        values = table.index_select(0, pairs).view(*scales.shape, block_size)
+    else:
+        values = torch.index_select(table, 0, pairs, out=out.view(-1, 2)).view(*scales.shape, block_size)
+    return _scaled(values, scales, values, plus)
+
+
+def _scaled(values: Tensor, scales: Tensor, out: Optional[Tensor], plus: Optional[Tensor]) -> Tensor:
+    """``values · scales`` per block (``(..., blocks, block_size)`` by ``(..., blocks)``), into ``out`` if given
+    (which may be ``values``), plus ``plus`` in the same operation if given."""
+    if plus is None:
+        return torch.mul(values, scales.unsqueeze(-1), out=out)
+    return torch.addcmul(plus, values, scales.unsqueeze(-1), out=out)
 
 
 def _pair_weights(device: torch.device) -> tuple[Tensor, Tensor]:
