@@ -161,7 +161,9 @@ class PowerSGD(Compressor):
             (mean,) = yield Round([Mean(averaged)], last=True)
             return SegmentsOutcome(segments.numels, lambda residual: residual.zero_(),
                                    lambda out: out.copy_(mean.to(out.dtype)), overwrites=True)
-        gathered = _joined([views[index] for index in batches.q_order]).to(compute)  # every matrix, group after group
+        # every matrix, group after group; possibly a view of `flat`: read before the last round only (the
+        # residual's update changes `flat` afterwards)
+        gathered = _joined([views[index] for index in batches.q_order]).to(compute)
         matrices = {shape: gathered[start:stop].view(-1, shape[0], shape[1])
                     for shape, (start, stop) in batches.matrix_spans.items()}
         q_flat = self._start_q_segments(state, batches, contexts, compute, device)

@@ -233,7 +233,8 @@ class SparseLoCo(Compressor):
                 shape = (2, segments.total + plan.spare)
                 verdict = take_verdict(contexts)  # NaN for a void bucket: both sums start NaN, so every mean is
                 sums, chosen = (torch.zeros(shape, dtype=torch.float32, device=out.device) if verdict is None
-                                else verdict.to(torch.float32).expand(shape).contiguous()).unbind()
+                                else verdict.to(torch.float32).expand(shape).clone(
+                                    memory_format=torch.contiguous_format)).unbind()
             for number, group in enumerate(plan.groups):
                 within = unpack_rows(stacked(gathered, step * number), group.index_bits, group.count)
                 within = within.view(workers, group.rows, group.k)

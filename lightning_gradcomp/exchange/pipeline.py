@@ -208,7 +208,7 @@ class WorkerPipeline:
             outcome.write(direct)
         elif written:
             if fill is not None:
-                result = fill.to(flat.dtype).expand(segments.total).contiguous()
+                result = fill.to(flat.dtype).expand(segments.total).clone(memory_format=torch.contiguous_format)
             else:  # a write that sets every element needs no zeros first (nor a pass to write them)
                 make = torch.empty if outcome.overwrites else torch.zeros
                 result = make(segments.total, dtype=flat.dtype, device=flat.device)
