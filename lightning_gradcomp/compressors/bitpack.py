@@ -173,7 +173,7 @@ def pack_grouped(codes: Tensor, bits: int) -> Tensor:
         return codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(layout[2]).sum(dim=-1, dtype=torch.uint8)
     word = _grouped_word(width)
     if word is not None:  # the group's word (the shift widens the uint8 codes), its low bytes in memory order
-        shifts = _grouped_word_shifts(bits, word, codes.device)
+        shifts = _word_shifts(bits, group, codes.device, word)
         words = codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(shifts).sum(dim=-1, keepdim=True,
                                                                                           dtype=word)
         return words.view(torch.uint8)[..., :width].reshape(*codes.shape[:-1], -1)
@@ -197,7 +197,7 @@ def unpack_grouped(packed: Tensor, bits: int, dtype: Optional[torch.dtype] = tor
     if word is not None:  # each group's bytes, padded to a word and read as one (little-endian)
         size = torch.iinfo(word).bits // 8
         words = torch.nn.functional.pad(packed.view(*packed.shape[:-1], -1, width), (0, size - width)).view(word)
-        codes = words.bitwise_right_shift(_grouped_word_shifts(bits, word, packed.device)).bitwise_and_((1 << bits) - 1)
+        codes = words.bitwise_right_shift(_word_shifts(bits, group, packed.device, word)).bitwise_and_((1 << bits) - 1)
         codes = codes.view(*packed.shape[:-1], -1)
         return codes if dtype is None else codes.to(dtype)
     if dtype is None:
@@ -215,13 +215,6 @@ def _grouped_word(width: int) -> Optional[torch.dtype]:
     if sys.byteorder != "little":
         return None
     return torch.int32 if width <= 3 else torch.int64
-
-
-def _grouped_word_shifts(bits: int, word: torch.dtype, device: torch.device) -> Tensor:
-    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, as ``word``, kept per device."""
-    group, _ = _group_layout(bits)
-    return device_constant(("grouped word shifts", bits, word), device,
-                           lambda: torch.arange(group, dtype=word) * bits)
 
 
 _GROUPED: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
@@ -291,6 +284,7 @@ def _word_layout(bits: int) -> Optional[tuple[int, int]]:
     return group, group * bits // 8
 
 
-def _word_shifts(bits: int, group: int, device: torch.device) -> Tensor:
-    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, int64, kept per device."""
-    return device_constant(("word shifts", bits, group), device, lambda: torch.arange(group, dtype=torch.int64) * bits)
+def _word_shifts(bits: int, group: int, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, as ``dtype``, kept per device."""
+    return device_constant(("word shifts", bits, group, dtype), device,
+                           lambda: torch.arange(group, dtype=dtype) * bits)

@@ -44,7 +44,10 @@ class _DenseSegments(Compressor):
 
         def write(out: Tensor) -> None:
             verdict = take_verdict(contexts)  # NaN for a void bucket: added as the mean is written
-            torch.add(mean, verdict, out=out) if verdict is not None else out.copy_(mean)
+            if verdict is None:
+                out.copy_(mean)
+            else:
+                torch.add(mean, verdict, out=out)
 
         def subtract(residual: Tensor) -> None:
             residual.sub_(sent.to(residual.dtype))
