@@ -20,6 +20,7 @@ from lightning_gradcomp.compressors import COMPRESSORS
 
 from tests import _cuda_workers as workers
 from tests._gloo_workers import check_real_equals_simulated
+from tests.test_rank_agreement import EVERY, assert_identical, decode
 from tests.test_segments import SEGMENTED, compare_paths
 
 pytestmark = [pytest.mark.cuda,
@@ -53,6 +54,17 @@ def test_the_whole_bucket_exchange_on_cuda_equals_the_per_tensor_protocols(label
     """On a GPU every listed compressor compresses whole buckets (tests/test_segments.py checks the same
     along the accelerator path on the CPU)."""
     compare_paths(label, make, "cuda")
+
+
+@pytest.mark.filterwarnings("ignore:DeMo. parameter 'a.weight'")
+@pytest.mark.parametrize("label,make", EVERY, ids=[label for label, _ in EVERY])
+def test_every_rank_decodes_the_same_gradient_on_cuda(label: str, make) -> None:
+    """Workers that choose mostly the same coordinates, decoded three times on the GPU: the same bits each
+    time, as every rank of a DDP job must get (tests/test_rank_agreement.py emulates the GPU's atomic adds
+    on the CPU)."""
+    first = decode(make, segmented=True, device="cuda")
+    for _ in range(2):
+        assert_identical(first, decode(make, segmented=True, device="cuda"), label)
 
 
 @pytest.mark.multiprocess

@@ -78,6 +78,7 @@ from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbyte
 from lightning_gradcomp.core.device import state_dtype, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
+from lightning_gradcomp.core.tensors import row_scatter_sum_
 
 #: the compressor state key of the decoupled momentum ``δ``: for a compressed tensor its DCT coefficients,
 #: ``(tiles, a·b)`` in tile order (a checkpoint taken with another ``chunk`` starts the momentum afresh);
@@ -477,6 +478,7 @@ class DeMo(Compressor):
         (gathered,) = yield Round([Gather(tuple(parts))], last=True)
 
         def write(out: Tensor) -> None:  # out: zero-filled (SegmentsOutcome.write), so adding puts in place
+            dtype = state_dtype(out.dtype)  # means and their inverse transform in fp32, as per tensor
             for number, group in enumerate(plan.groups):
                 workers = len(gathered)
                 within = unpack_rows(stacked(gathered, 2 * number), group.bits, group.count)
@@ -484,12 +486,12 @@ class DeMo(Compressor):
                 # (workers, tiles, k) -> (tiles, workers·k): one scatter-add per group, workers in order
                 within = within.reshape(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
                 values = values.view(workers, group.tiles, group.k).transpose(0, 1).reshape(group.tiles, -1)
-                values = values.to(out.dtype)
-                sums, chosen = torch.zeros(2, group.tiles, group.tile, dtype=out.dtype, device=out.device).unbind()
-                sums.scatter_add_(1, within, values)
+                values = values.to(dtype)
+                sums, chosen = torch.zeros(2, group.tiles, group.tile, dtype=dtype, device=out.device).unbind()
+                row_scatter_sum_(sums, within, values)  # the same sums on every rank (counts are exact)
                 chosen.scatter_add_(1, within, torch.ones_like(values))
                 mean = sums.div_(chosen.clamp_min_(1.0)).view(group.tiles, group.a, group.b)
-                group.add_to(out, inverse_tiles(mean))
+                group.add_to(out, inverse_tiles(mean).to(out.dtype))
             if self.sign:
                 out.sign_()
 

@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors.selection import (
 from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
+from lightning_gradcomp.core.tensors import index_sum_
 
 
 class _ValuesAndIndices(Compressor):
@@ -58,7 +59,8 @@ def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments
     :meth:`~lightning_gradcomp.compressors.base.Compressor.exchange_segments`): the values at
     ``positions`` of ``flat`` (or ``values``) in ``wire_dtype`` and their indices within their tensors
     as int32, ``counts[t]`` for tensor ``t``, in one gather; every worker's scatter-added with weight
-    ``1/N`` in one ``index_add_``. The same values, indices and sums as each tensor's
+    ``1/N`` in one operation (:func:`~lightning_gradcomp.core.tensors.index_sum_`: the same sums on every rank
+    where workers chose the same coordinate). The same values, indices and sums as each tensor's
     :class:`_ValuesAndIndices` payload, tensor after tensor."""
     starts = _slot_starts(segments, tuple(counts), flat.device)
     sent = (flat[positions] if values is None else values).to(wire_dtype)
@@ -68,7 +70,7 @@ def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments
     def write(out: Tensor) -> None:  # out is zero
         indices = stacked(rows, 1) + starts
         received = stacked(rows, 0).to(out.dtype)
-        out.index_add_(0, indices.view(-1), received.reshape(-1), alpha=1.0 / len(rows))
+        index_sum_(out, indices.view(-1), received.reshape(-1), alpha=1.0 / len(rows))
 
     def subtract(residual: Tensor) -> None:
         residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)

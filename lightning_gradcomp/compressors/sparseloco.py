@@ -42,6 +42,7 @@ from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.core.device import device_constant, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
+from lightning_gradcomp.core.tensors import index_sum_
 
 #: the compressor state key of the error-feedback accumulator ``A``
 ACCUMULATOR = "accumulator"
@@ -136,7 +137,7 @@ class SparseLoCo(Compressor):
         step = (std * (6.0 / levels)).clamp_min(torch.finfo(torch.float32).tiny)
         # nan_to_num: a non-finite input (voided by the bucket's verdict) must still give valid codes
         codes = ((values - mean) / step + levels // 2).nan_to_num_(0.0).round_().clamp_(0, levels - 1).to(torch.int64)
-        sums = values.new_zeros(levels).index_add_(0, codes, values)
+        sums = index_sum_(values.new_zeros(levels), codes, values)  # a bin's values in a fixed order on GPUs too
         counts = values.new_zeros(levels).index_add_(0, codes, torch.ones_like(values))
         return codes, sums / counts.clamp_min(1.0)
 
@@ -247,14 +248,14 @@ class SparseLoCo(Compressor):
                     keys = codes.view(workers, group.rows, group.k).add_(group.key_base).view(workers, -1)
                     values = stacked(gathered, step * number + 2).gather(1, keys).view(-1)  # each worker's lookups
                 if chosen_mean:
-                    sums.index_add_(0, positions.view(-1), values)
+                    index_sum_(sums, positions.view(-1), values)  # the same sums on every rank (counts are exact)
                     chosen.index_add_(0, positions.view(-1), plan.ones.expand(values.numel()))
                     continue
                 # a chosen padding entry adds 0, past its member (values sent as they are: its own 0)
                 if group.short and self.bits is not None:
                     values = torch.where(group.real(within).view(-1), values, 0.0)
                 # as per tensor: out += v / N, worker after worker
-                out.index_add_(0, positions.view(-1), values.to(out.dtype), alpha=1.0 / workers)
+                index_sum_(out, positions.view(-1), values.to(out.dtype), alpha=1.0 / workers)
             if chosen_mean:
                 torch.div(sums[:segments.total], chosen[:segments.total].clamp_min_(1.0), out=out)
 
@@ -280,7 +281,7 @@ class SparseLoCo(Compressor):
         codes = codes.to(torch.int64)
         keys = (codes + group.key_base).view(-1)
         sums, counts = values.new_zeros(2, group.members * levels).unbind()
-        sums.index_add_(0, keys, values.view(-1))
+        index_sum_(sums, keys, values.view(-1))
         counts.index_add_(0, keys, ones.expand(keys.numel()))
         return codes, keys, sums.div_(counts.clamp_min_(1.0))
 

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.core.device import host_reads_allowed
+from lightning_gradcomp.core.device import device_constant, host_reads_allowed
 
 #: Whether a gradient is finite: a Python bool on CPU, a 0-d bool tensor on accelerators (no host sync).
 Finite = Union[bool, Tensor]
@@ -83,6 +83,37 @@ def both_finite(first: Finite, second: Finite) -> Finite:
     if second is True:
         return first
     return first & second
+
+
+def index_sum_(out: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0) -> Tensor:
+    r"""``out[index[i]] += alpha · values[i]`` for every ``i`` (``out`` 1-D), where ``index`` may repeat — several
+    workers' coordinates summed in one operation — with the same sums on every run and on every rank.
+
+    On the CPU this is ``index_add_``, which adds in order. On a GPU ``index_add_`` (like ``scatter_add_``)
+    adds repeated indices by atomics in an order that varies from run to run, and so from rank to rank:
+    ranks that decode the same gathered payloads would get gradients that differ in the last bits, and
+    DDP's replicas, which are never re-synchronised, would drift apart. There the values go through
+    ``index_put_(accumulate=True)``, whose CUDA kernel sorts the indices and adds each one's repeats in a
+    fixed order (PyTorch's deterministic implementation, see ``torch.use_deterministic_algorithms``).
+    The accelerator path scales the values first (``alpha ≠ 1``): in fp32 and fp64 the same numbers as
+    ``index_add_`` (one rounding of each product either way); 16-bit outputs round the product to their
+    dtype before adding (at most one unit in the last place).
+    """
+    if host_reads_allowed(out.device):
+        return out.index_add_(0, index, values, alpha=alpha)
+    return out.index_put_((index.long(),), values if alpha == 1.0 else values * alpha, accumulate=True)
+
+
+def row_scatter_sum_(out: Tensor, index: Tensor, values: Tensor) -> Tensor:
+    """``out[r, index[r, j]] += values[r, j]`` for every ``r, j`` (``out`` 2-D, ``index`` and ``values`` of
+    one shape), where a row's indices may repeat, with the same sums on every run and on every rank: on
+    the CPU ``scatter_add_`` along dim 1, on accelerators ``index_put_(accumulate=True)`` with the row
+    numbers broadcast against ``index`` (see :func:`index_sum_`)."""
+    if host_reads_allowed(out.device):
+        return out.scatter_add_(1, index, values)
+    rows = device_constant(("row-numbers", out.shape[0]), out.device,
+                           lambda: torch.arange(out.shape[0]).unsqueeze(1))
+    return out.index_put_((rows, index.long()), values, accumulate=True)
 
 
 def squared_norm(tensor: Tensor) -> Tensor:
