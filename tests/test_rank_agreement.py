@@ -5,16 +5,19 @@ same averaged gradient. Each rank decodes the gathered payloads itself, so a dec
 the order of atomic adds (``index_add_``/``scatter_add_`` on a GPU, wherever several workers chose one
 coordinate) would let the replicas drift apart, silently. tests/_atomic_order.py emulates that order on
 the CPU; here two decodes under two different orders must agree bit for bit, on the accelerator path
-(whole buckets) and on the per-tensor protocols, for every compressor.
+(whole buckets) and on the per-tensor protocols, for every compressor — the second in PyTorch's
+deterministic mode with uninitialised memory filled, which must change nothing either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Iterator
 
 import pytest
 import torch
+import torch.utils.deterministic
 
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.core.device import accelerator_path
@@ -71,9 +74,28 @@ def assert_identical(first: list[dict[str, torch.Tensor]], second: list[dict[str
 @pytest.mark.parametrize("label,make", EVERY, ids=[label for label, _ in EVERY])
 def test_every_rank_decodes_the_same_gradient_whatever_the_order_of_atomic_adds(label: str, make,
                                                                                segmented: bool) -> None:
+    """Two decodes under two orders of atomic adds; the second also as ``Trainer(deterministic=True)`` runs
+    it (``torch.use_deterministic_algorithms``, which fills uninitialised memory with NaN: a buffer from
+    ``torch.empty`` that is not wholly written shows)."""
     with accelerator_path():
-        assert_identical(decode(make, segmented, order=AtomicOrder(1)), decode(make, segmented, order=AtomicOrder(2)),
-                         label)
+        first = decode(make, segmented, order=AtomicOrder(1))
+        with deterministic_algorithms():
+            second = decode(make, segmented, order=AtomicOrder(2))
+    assert_identical(first, second, label)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """PyTorch's deterministic mode with uninitialised memory filled (NaN for floats), as Lightning's
+    ``deterministic=True`` sets it; restored after."""
+    enabled, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_the_emulated_atomic_order_changes_a_plain_scatter_sum() -> None:
