@@ -96,8 +96,9 @@ def index_sum_(out: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0) -
     ``index_put_(accumulate=True)``, whose CUDA kernel sorts the indices and adds each one's repeats in a
     fixed order (PyTorch's deterministic implementation, see ``torch.use_deterministic_algorithms``).
     The accelerator path scales the values first (``alpha ≠ 1``): in fp32 and fp64 the same numbers as
-    ``index_add_`` (one rounding of each product either way); 16-bit outputs round the product to their
-    dtype before adding (at most one unit in the last place).
+    ``index_add_`` (one rounding of each product either way); in a 16-bit output the product is rounded to
+    that dtype before it is added (half a unit in its last place more, where ``alpha`` is inexact). The
+    indices go as int64, which that kernel sorts.
     """
     if host_reads_allowed(out.device):
         return out.index_add_(0, index, values, alpha=alpha)
@@ -108,7 +109,8 @@ def row_scatter_sum_(out: Tensor, index: Tensor, values: Tensor) -> Tensor:
     """``out[r, index[r, j]] += values[r, j]`` for every ``r, j`` (``out`` 2-D, ``index`` and ``values`` of
     one shape), where a row's indices may repeat, with the same sums on every run and on every rank: on
     the CPU ``scatter_add_`` along dim 1, on accelerators ``index_put_(accumulate=True)`` with the row
-    numbers broadcast against ``index`` (see :func:`index_sum_`)."""
+    numbers broadcast against ``index`` (see :func:`index_sum_`). The same sums on both paths for fp32 and
+    fp64 ``out`` (DeMo sums in fp32); in 16 bits the CPU's ``scatter_add_`` accumulates in fp32 first."""
     if host_reads_allowed(out.device):
         return out.scatter_add_(1, index, values)
     rows = device_constant(("row-numbers", out.shape[0]), out.device,
