@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,10 +53,18 @@ def test_step_figures_reach_the_trainer_logger(lightning_runs) -> None:
     assert ratio == pytest.approx(float(logged[0]["gradcomp/bytes_dense"]) / float(logged[0]["gradcomp/bytes_sent"]))
 
 
-def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
+def _whole_run_saving_at_half(lightning_runs) -> tuple[list[dict], Path]:
+    """Four epochs of Top-k, with the checkpoint of the end of epoch 2 (memoised: two tests resume from it)."""
     ckpt = lightning_runs.root / "half.ckpt"
-    whole, _ = lightning_runs("whole", "--compressor", "topk", "--epochs", "4")
-    lightning_runs("half", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt))
+    whole, _ = lightning_runs("whole", "--compressor", "topk", "--epochs", "4", "--save", str(ckpt),
+                              "--save-at-epoch", "2")
+    return whole, ckpt
+
+
+def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
+    """From the checkpoint of the end of epoch 2, to the same parameters, residuals and totals as the run that
+    wrote it and went on."""
+    whole, ckpt = _whole_run_saving_at_half(lightning_runs)
     saved = torch.load(ckpt, weights_only=True)["gradcomp"]
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     assert not torch.equal(*(r["memory"]["residuals"]["net.0.weight"] for r in saved["ranks"])), \
@@ -69,8 +78,7 @@ def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
 
 
 def test_resume_with_another_world_size_drops_residuals_with_a_warning(lightning_runs) -> None:
-    ckpt = lightning_runs.root / "half.ckpt"
-    lightning_runs("half", "--compressor", "topk", "--epochs", "2", "--save", str(ckpt))
+    _, ckpt = _whole_run_saving_at_half(lightning_runs)
     single, output = lightning_runs("single", "--compressor", "topk", "--epochs", "3", "--devices", "1",
                                     "--resume", str(ckpt))
     assert "holds error-feedback memory of 2 workers of TopK, this run has 1 of TopK; the residuals are dropped" in output

@@ -32,7 +32,8 @@ PAPER = [0.25, 0.0625, 0.015625, 0.00390625, 0.001]
 
 def test_warmup_follows_the_paper_sequence_and_resumes_where_it_stopped(lightning_runs) -> None:
     args = ("--compressor", "dgc", "--warmup-epochs", "4", "--lr-warmup")
-    whole, _ = lightning_runs("warm_whole", *args, "--epochs", "6")
+    ckpt = lightning_runs.root / "warm_half.ckpt"  # written at the end of epoch 2, the run going on
+    whole, _ = lightning_runs("warm_whole", *args, "--epochs", "6", "--save", str(ckpt), "--save-at-epoch", "2")
     per_epoch = {}
     for step in whole[0]["steps"]:
         per_epoch.setdefault(step["epoch"], set()).add(step["compressor_density"])
@@ -40,8 +41,6 @@ def test_warmup_follows_the_paper_sequence_and_resumes_where_it_stopped(lightnin
     lrs = [s["lr"] for s in whole[0]["steps"]]
     assert lrs[0] == pytest.approx(0.1 * 0.1) and lrs[-1] == pytest.approx(0.1)
     assert all(a <= b + 1e-12 for a, b in zip(lrs, lrs[1:])), "the learning rate rises monotonically"
-    ckpt = lightning_runs.root / "warm_half.ckpt"
-    lightning_runs("warm_half", *args, "--epochs", "2", "--save", str(ckpt))
     resumed, _ = lightning_runs("warm_resumed", *args, "--epochs", "6", "--resume", str(ckpt))
     assert resumed[0]["steps"] == whole[0]["steps"][2 * STEPS_PER_EPOCH:]
     for a, b in zip(whole, resumed):

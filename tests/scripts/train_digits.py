@@ -39,6 +39,18 @@ class SimulatedOrderDigits(DigitsDataModule):
         return DataLoader(self.train_set, batch_sampler=sampler)
 
 
+class SaveAtEpochEnd(Callback):
+    """Writes a checkpoint at the end of epoch ``epoch`` (counted from 1) while the run goes on: the
+    checkpoint a job stopped there would have left, taken from a run that was not stopped."""
+
+    def __init__(self, epoch: int, path: str) -> None:
+        self.epoch, self.path = epoch, path
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch + 1 == self.epoch:
+            trainer.save_checkpoint(self.path)
+
+
 class RecordSteps(Callback):
     """Keeps this rank's figures of every optimizer step."""
 
@@ -85,6 +97,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     parser.add_argument("--save", default=None, help="write a checkpoint here after fit")
+    parser.add_argument("--save-at-epoch", type=int, default=None,
+                        help="with --save: write it at the end of this epoch instead, and go on training")
     parser.add_argument("--test", action="store_true", help="report test accuracy")
     parser.add_argument("--csv", default=None, help="log to a CSVLogger in this directory")
     parser.add_argument("--tensorboard", default=None, help="log to a TensorBoardLogger in this directory")
@@ -114,6 +128,8 @@ def main() -> None:
                                              thresholds=[0.5, 0.85, 0.99], patience=2, escape_epochs=1))
     if args.warmup_epochs:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
+    if args.save and args.save_at_epoch:
+        callbacks.append(SaveAtEpochEnd(args.save_at_epoch, args.save))  # last: after the others' epoch end
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_epochs=args.epochs,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
@@ -124,7 +140,7 @@ def main() -> None:
     model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
     data = SimulatedOrderDigits(args.simulate, args.seed) if args.simulate else DigitsDataModule(batch_size=32)
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
-    if args.save:
+    if args.save and not args.save_at_epoch:
         trainer.save_checkpoint(args.save)
     result = {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
