@@ -5,22 +5,33 @@ On a GPU, ``index_add_`` and ``scatter_add_`` add the sources that land on one i
 order that changes from run to run — and from rank to rank: two ranks that decode the same gathered
 payloads may round differently wherever three or more workers chose the same coordinate (two add in
 either order to the same number). ``index_put_(accumulate=True)`` sorts its indices and adds each one's
-repeats in a fixed order (PyTorch's deterministic kernel). On the CPU every one of these adds in order.
+repeats in a fixed order (PyTorch's deterministic kernel). On the CPU ``index_add_`` and ``scatter_add_``
+add in order, and so does ``index_put_(accumulate=True)`` below 32768 values or on one thread (above,
+with several threads, it adds by atomics too).
 
 Inside :class:`AtomicOrder`, each ``index_add`` and ``scatter_add`` call adds its sources in a random
-order drawn from the mode's generator, as atomics might; ``index_put_`` is left as it is. Code whose
-results depend on the order of atomic adds gives different results under two seeds. ``index_copy`` and
-``scatter`` with a repeated index (which of the writes lands is not fixed on a GPU either) fail at once.
+order drawn from the mode's generator, as atomics might; ``index_put_(accumulate=True)`` runs in PyTorch's
+deterministic mode (sorted and in order on the CPU too, as on a GPU). Code whose results depend on the
+order of atomic adds gives different results under two seeds. Operations that are not deterministic on a
+GPU whatever their inputs (``put_``, ``scatter_reduce``, ``index_reduce``, ``bincount``, ``histc``, a
+floating-point ``cumsum``) fail at once, and so do ``index_copy``, ``scatter`` and ``index_put_`` without
+accumulation given a repeated index (which of the writes lands is not fixed on a GPU either).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+
+#: operations whose results on a GPU depend on the order of atomics whatever their inputs (PyTorch's
+#: ``torch.use_deterministic_algorithms`` lists them)
+NOT_DETERMINISTIC = {"put_", "put", "scatter_reduce_", "scatter_reduce", "index_reduce_", "index_reduce", "bincount",
+                     "histc"}
 
 
 class AtomicOrder(TorchDispatchMode):
@@ -47,11 +58,22 @@ class AtomicOrder(TorchDispatchMode):
             order = self._order(index.shape[dim], index.device)
             return func(target, dim, index.index_select(dim, order), source.index_select(dim, order), *args[4:],
                         **kwargs)
+        if func in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default):
+            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+            if accumulate:  # sorted and in order, as CUDA's kernel (and not by atomics on several CPU threads)
+                with _deterministic():
+                    return func(*args, **kwargs)
+            indices = [index for index in args[1] if index is not None]
+            if len(indices) == 1 and indices[0].dtype != torch.bool and _repeats_along(indices[0].reshape(-1), 0):
+                raise AssertionError(f"{func} with a repeated index: which write lands differs between runs on a GPU")
         if func in (aten.index_copy_.default, aten.index_copy.default, aten.scatter_.src, aten.scatter.src,
                     aten.scatter_.value, aten.scatter.value):
             dim, index = args[1], args[2]
             if _repeats_along(index, dim):
                 raise AssertionError(f"{func} with a repeated index: which write lands differs between runs on a GPU")
+        name = func._schema.name.removeprefix("aten::")
+        if name in NOT_DETERMINISTIC or (name == "cumsum" and args[0].is_floating_point()):
+            raise AssertionError(f"{func} is not deterministic on a GPU")
         return func(*args, **kwargs)
 
 
@@ -63,3 +85,13 @@ def _repeats_along(index: torch.Tensor, dim: int) -> bool:
         return False
     ordered = index.sort(dim=dim).values
     return bool((ordered.narrow(dim, 1, length) == ordered.narrow(dim, 0, length)).any())
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import COMPRESSORS
+from lightning_gradcomp.core.tensors import index_sum_, row_scatter_sum_
 
 from tests import _cuda_workers as workers
 from tests._gloo_workers import check_real_equals_simulated
@@ -54,6 +55,30 @@ def test_the_whole_bucket_exchange_on_cuda_equals_the_per_tensor_protocols(label
     """On a GPU every listed compressor compresses whole buckets (tests/test_segments.py checks the same
     along the accelerator path on the CPU)."""
     compare_paths(label, make, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sums_of_repeated_indices_are_the_same_bits_every_time_on_cuda(dtype: torch.dtype) -> None:
+    """A million values into 64 coordinates (``index_add_``'s atomics would add them in another order each
+    time), five times: the same bits, along rows too; and in fp32 with a few repeats per coordinate, the
+    CPU's ``index_add_`` in order."""
+    generator = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 64, (1_000_000,), generator=generator).cuda()
+    values = torch.randn(1_000_000, generator=generator).to(dtype).cuda()
+    within = index.view(1000, 1000) % 8  # each row's thousand values into 8 columns
+
+    def sums() -> tuple[torch.Tensor, torch.Tensor]:
+        flat = index_sum_(torch.zeros(64, dtype=dtype, device="cuda"), index, values, alpha=1 / 3)
+        return flat, row_scatter_sum_(torch.zeros(1000, 8, dtype=dtype, device="cuda"), within, values.view(1000, 1000))
+
+    first = sums()
+    for _ in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(first, sums()))
+    few = torch.randint(0, 100_000, (200_000,), generator=generator)
+    few_values = torch.randn(200_000, generator=generator)
+    expected = torch.zeros(100_000).index_add_(0, few, few_values, alpha=1 / 3)
+    got = index_sum_(torch.zeros(100_000, device="cuda"), few.cuda(), few_values.cuda(), alpha=1 / 3)
+    assert torch.equal(got.cpu(), expected)
 
 
 @pytest.mark.filterwarnings("ignore:DeMo. parameter 'a.weight'")

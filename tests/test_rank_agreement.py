@@ -124,12 +124,27 @@ def test_the_emulated_atomic_order_changes_a_plain_scatter_sum() -> None:
     assert torch.equal(*fixed)
 
 
+@pytest.mark.parametrize("operation", [
+    lambda: torch.zeros(4).index_put_((torch.tensor([1, 1]),), torch.ones(2)),
+    lambda: torch.zeros(4).index_copy_(0, torch.tensor([2, 2]), torch.ones(2)),
+    lambda: torch.zeros(2, 4).scatter_(1, torch.tensor([[0, 0]]), torch.ones(1, 2)),
+    lambda: torch.zeros(4).scatter_reduce(0, torch.tensor([1, 2]), torch.ones(2), "sum"),
+    lambda: torch.arange(4.0).cumsum(0),
+], ids=["index_put-repeated", "index_copy-repeated", "scatter-repeated", "scatter_reduce", "cumsum"])
+def test_the_emulation_refuses_what_no_order_makes_deterministic(operation) -> None:
+    """Writes to a repeated index, and operations that are not deterministic on a GPU whatever their inputs,
+    fail inside :class:`AtomicOrder` (code that used them would pass the order check by luck)."""
+    with pytest.raises(AssertionError, match="GPU"), AtomicOrder(0):
+        operation()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("workers", [2, 3, 4, 8])
 def test_the_sums_on_both_paths_are_those_of_index_add_worker_after_worker(dtype: torch.dtype, workers: int) -> None:
     """:func:`index_sum_` on the CPU and on the accelerator path against each worker's ``index_add_`` in turn (the
     per-tensor protocols): equal, except that the accelerator path rounds a scaled 16-bit value to its dtype
-    before adding it (at most half a unit in the last place of each scaled value, where ``1/N`` is inexact)."""
+    before adding it (at most half a unit in the last place of each scaled value, where ``1/N`` is inexact;
+    on the CPU, that is — CUDA's kernel sums a coordinate's repeats in fp32 and rounds once)."""
     generator = torch.Generator().manual_seed(workers)
     index = torch.randint(0, 50, (workers, 40), generator=generator)
     values = torch.randn(workers, 40, generator=generator).to(dtype)
