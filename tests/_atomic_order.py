@@ -25,6 +25,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.utils.deterministic
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -62,7 +63,7 @@ class AtomicOrder(TorchDispatchMode):
         if func in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default):
             accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
             if accumulate:  # sorted and in order, as CUDA's kernel (and not by atomics on several CPU threads)
-                with _deterministic():
+                with deterministic_algorithms():
                     return func(*args, **kwargs)
             indices = [index for index in args[1] if index is not None]
             if (len(indices) == 1 and indices[0].dtype != torch.bool and args[2].numel() > 1
@@ -89,10 +90,14 @@ def _repeats_along(index: torch.Tensor, dim: int) -> bool:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
-    enabled = torch.are_deterministic_algorithms_enabled()
+def deterministic_algorithms() -> Iterator[None]:
+    """PyTorch's deterministic mode with uninitialised memory filled (NaN for floats), as Lightning's
+    ``Trainer(deterministic=True)`` sets it; restored after."""
+    enabled, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(enabled)
+        torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
 
 import pytest
 import torch
-import torch.utils.deterministic
 
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.core.device import accelerator_path
 from lightning_gradcomp.core.tensors import index_sum_, row_scatter_sum_
 from lightning_gradcomp.simulation import SimulatedExchange
 
-from tests._atomic_order import AtomicOrder
+from tests._atomic_order import AtomicOrder, deterministic_algorithms
 from tests._gloo_workers import conformance_settings
 from tests.test_segments import SEGMENTED, SHAPES
 
@@ -89,20 +87,6 @@ def test_every_rank_decodes_the_same_gradient_whatever_the_order_of_atomic_adds(
         with deterministic_algorithms():
             second = decode(make, segmented, order=AtomicOrder(2))
     assert_identical(first, second, label)
-
-
-@contextlib.contextmanager
-def deterministic_algorithms() -> Iterator[None]:
-    """PyTorch's deterministic mode with uninitialised memory filled (NaN for floats), as Lightning's
-    ``deterministic=True`` sets it; restored after."""
-    enabled, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled)
-        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_the_emulated_atomic_order_changes_a_plain_scatter_sum() -> None:
