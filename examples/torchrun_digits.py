@@ -50,6 +50,7 @@ def main() -> None:
     model = DistributedDataParallel(digits_mlp().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     gradcomp = lightning_gradcomp.register(model, compressor=args.compressor)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    gradcomp.compressor.check_optimizer(optimizer)  # DGC and DeMo refuse an optimizer with its own momentum
 
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
@@ -67,7 +68,8 @@ def main() -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
-            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            with lightning_gradcomp.exchange_failures(gradcomp):  # a dead peer: CollectiveError on every rank
+                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
             optimizer.step()
         stats = gradcomp.step_stats
         if rank == 0:

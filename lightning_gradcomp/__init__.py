@@ -35,7 +35,7 @@ from lightning_gradcomp.compressors import (
     get_compressor,
 )
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
-from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.lightning.fabric import GradCompFabricStrategy
 from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
@@ -80,6 +80,7 @@ __all__ = [
     "StepStats",
     "TernGrad",
     "TopK",
+    "exchange_failures",
     "get_compressor",
     "gradcomp_hook",
     "local_updates",

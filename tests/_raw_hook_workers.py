@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -76,3 +77,43 @@ def check_register_refuses_what_it_cannot_run(rank: int, world_size: int) -> Non
         compiled = nn.parallel.DistributedDataParallel(_model())
     with pytest.raises(ValueError, match=r"optimize_ddp='python_reducer'.*allowed: optimize_ddp='ddp_optimizer'"):
         lightning_gradcomp.register(compiled, TopK(0.01))
+
+
+def _train(handle: "lightning_gradcomp.GradCompHandle", ddp: nn.Module, rank: int, steps: int) -> None:
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+
+def check_summary_and_counters_span_every_step(rank: int, world_size: int) -> None:
+    """``summary()`` read first thing after training counts the last step too; a resume that keeps
+    only the counters (another compressor) continues them: steps, bytes and collectives of the run
+    before and of this one, so the summary prices every step."""
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    handle = lightning_gradcomp.register(ddp, "topk")
+    _train(handle, ddp, rank, 3)
+    text = handle.summary()
+    assert re.search(r"workers, steps +2, 3\n", text), text
+    first = handle.totals
+    assert first.steps == 3 and first.buckets > 0
+    entry = handle.state_dict()
+    collectives = sum(handle.hook_state.tally.counts.values())
+    handle.close()
+
+    entry = [entry]
+    torch.distributed.broadcast_object_list(entry, src=0)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    handle = lightning_gradcomp.register(ddp, "dgc")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle.load_state_dict(entry[0])
+    assert any("Kept: the step counter (3" in str(w.message) for w in caught) == (rank == 0)
+    assert handle.hook_state.step == 3 and handle.totals.steps == 3
+    assert sum(handle.hook_state.tally.counts.values()) == collectives > 0
+    _train(handle, ddp, rank, 2)
+    totals = handle.totals
+    assert totals.steps == 5, totals.steps
+    assert totals.bytes_dense == first.bytes_dense / 3 * 5
+    assert re.search(r"workers, steps +2, 5\n", handle.summary())
+    handle.close()

@@ -69,7 +69,7 @@ def test_level_keys_must_be_compressor_parameters() -> None:
     from lightning_gradcomp.lightning.callbacks.adaptive import check_level_keys
 
     check_level_keys(QSGD(), LEVELS, "test")
-    with pytest.raises(ValueError, match="a level sets `density`, which QSGD does not have; allowed: bucket_size, levels"):
+    with pytest.raises(ValueError, match="a level sets `density`, which QSGD does not have; allowed: bits, bucket_size, levels"):
         check_level_keys(QSGD(), [{"density": 0.1}], "test")
 
 

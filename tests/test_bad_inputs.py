@@ -57,6 +57,7 @@ CONSTRUCTION = [
     ("TopK density", lambda: TopK(density=2), r"`density` must be a number in \(0, 1\]"),
     ("RandomK shared_indices str", lambda: RandomK(shared_indices="yes"), "`shared_indices` must be True or False"),
     ("QSGD bits", lambda: QSGD(bits=1), r"`bits` must be an integer in \[2, 32\]"),
+    ("QSGD levels and bits", lambda: QSGD(levels=16, bits=8), r"`levels` \(16\) and `bits` \(8, i.e. levels=127\) disagree"),
     ("threshold nan", lambda: HardThreshold(threshold=NAN), "`threshold` must be a finite number >= 0"),
     ("PowerSGD rank", lambda: PowerSGD(rank=0), "`rank` must be an integer >= 1"),
     ("PowerSGD warm_start", lambda: PowerSGD(warm_start="yes"), "`warm_start` must be True or False"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._processes import ScriptRun, free_port
+from tests._processes import SCRIPTS, ScriptRun, free_port, run_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,6 +52,18 @@ def _check_failure(compressor: str, collective: str, fault: str, extra: list[str
             rank.kill()
     assert code == 3, output[-3000:]
     line = next(line for line in output.splitlines() if line.startswith("FAILED"))
-    seconds = float(line.split()[1])
+    seconds, kind = float(line.split()[1]), line.split()[2]
     assert f"gradcomp: {collective}" in line and "failed on rank 0 of 2" in line, line
+    assert kind == "CollectiveError", line
     assert seconds < TIMEOUT + 10, f"the failure took {seconds} s with a {TIMEOUT} s timeout"
+
+
+def test_a_dead_peer_ends_a_lightning_fit_with_collective_error(tmp_path: Path) -> None:
+    """The Trainer's rank 0 sees the exchange's own error type (DDP's backward would wrap it in a
+    RuntimeError), soon after rank 1 exits (gloo notices a closed connection at once)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code, output = run_script(SCRIPTS / "train_digits.py", ["--out", str(tmp_path / "dead"), "--epochs", "1",
+                                                           "--peer-dies-at-step", "3"], tmp_path, env, timeout=120)
+    assert code == 3, output[-3000:]
+    line = next(line for line in output.splitlines() if line.startswith("COLLECTIVE_ERROR"))
+    assert line.startswith("COLLECTIVE_ERROR gradcomp: ") and "failed on rank 0 of 2" in line, line

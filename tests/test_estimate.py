@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_gradcomp.tools.cli import main
-from lightning_gradcomp.tools.estimate import build_model, parse_bandwidth, parse_latency, run
+from lightning_gradcomp.tools.estimate import DEFAULT_COMPRESSORS, build_model, load_compressors, parse_bandwidth, parse_latency, run
 
 TINY = ["--model", "mlp:64,256,256,10", "--batch-shape", "16,64", "--repeats", "1", "--threads", "1"]
 
@@ -65,6 +67,8 @@ def test_estimate_is_a_subcommand_of_the_gradcomp_cli(capsys: pytest.CaptureFixt
     (["--compressors", "gzip"], "`--compressors`: unknown preset"),
     (["--batch-shape", "16x64"], "`--batch-shape` must be comma-separated"),
     (["--sync-every", "0"], "`--sync-every` must be an integer >= 1"),
+    (["--repeats", "0"], "`--repeats` must be an integer >= 1"),
+    (["--threads", "0"], "`--threads` must be an integer >= 1"),
 ])
 def test_bad_estimate_arguments_name_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     args = dict(zip(TINY[::2], TINY[1::2]))
@@ -83,3 +87,12 @@ def test_units_and_model_specs() -> None:
     assert type(build_model("torch.nn.Linear", {"in_features": 3, "out_features": 2})).__name__ == "Linear"
     with pytest.raises(ValueError, match="`--model`: cannot import"):
         build_model("no_such_package.Model")
+
+
+def test_every_shipped_compressor_preset_can_be_estimated() -> None:
+    """``all`` is every preset in configs/compressors (but the uncompressed ones, priced as DDP's rows), found
+    where ``gradcomp presets`` finds them; the default is a representative set of them."""
+    shipped = {path.stem for path in (Path(__file__).resolve().parents[1] / "configs" / "compressors").glob("*.yaml")}
+    assert set(load_compressors(["all"])) == shipped - {"none", "fp16"}
+    assert set(load_compressors()) == set(DEFAULT_COMPRESSORS) < shipped
+    assert set(load_compressors(["qsgd_s16", "demo"])) == {"qsgd_s16", "demo"}

@@ -57,6 +57,8 @@ def test_fabric_registry_and_bad_options() -> None:
         GradCompFabricStrategy(compressor="gzip")
     with pytest.raises(ValueError, match="unknown DistributedDataParallel argument"):
         GradCompFabricStrategy(bucket_size=3)
+    with pytest.raises(ValueError, match=r"\['hierarchy'\] are options of the Trainer's GradCompStrategy only"):
+        GradCompFabricStrategy(hierarchy="node")
     with pytest.raises(ValueError, match="`start_method` must be one of"):
         GradCompFabricStrategy(start_method="thread")
     with pytest.raises(RuntimeError, match="no model has been set up"):

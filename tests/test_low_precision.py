@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.compressors import DGC, FP8AllReduce, Int8AllReduce, PowerSGD, SignSGD, TopK
+from lightning_gradcomp.compressors import DGC, FP16, FP8AllReduce, Int8AllReduce, PowerSGD, SignSGD, TopK
 from lightning_gradcomp.lightning.options import check_fit_setup
 from lightning_gradcomp.simulation import GradCompSimStrategy, SimulatedExchange
 
@@ -107,3 +107,10 @@ def test_fp64_gradients_are_exchanged_on_both_paths(name: str) -> None:
                 results.append(exchange.finish_step()["w"])
     assert all(result.dtype == torch.float64 and bool(result.isfinite().all()) for result in results)
     assert torch.allclose(results[1], results[3], rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_refuses_bfloat16_gradients_before_compressing() -> None:
+    """A bf16 gradient cast to fp16 saves no bytes and overflows beyond ±65504: refused, naming what to use."""
+    exchange = SimulatedExchange(FP16(), workers=2)
+    with pytest.raises(ValueError, match=r"'fp16' on bfloat16 gradients.*allowed for bfloat16 gradients: 'bf16'"):
+        exchange.add_worker(0, [("w", torch.full((2048,), 1e5, dtype=torch.bfloat16))])

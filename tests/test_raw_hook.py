@@ -19,3 +19,9 @@ def test_register_refuses_what_it_cannot_run_with_a_clear_message() -> None:
     from tests._raw_hook_workers import check_register_refuses_what_it_cannot_run
 
     run_gloo(check_register_refuses_what_it_cannot_run, 2)
+
+
+def test_the_summary_and_counters_span_every_step_and_survive_a_resume_with_another_compressor() -> None:
+    from tests._raw_hook_workers import check_summary_and_counters_span_every_step
+
+    run_gloo(check_summary_and_counters_span_every_step, 2)

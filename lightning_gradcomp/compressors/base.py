@@ -222,6 +222,10 @@ class Compressor(ABC):
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training)."""
 
+    def check_gradient_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` if gradients of ``dtype`` cannot be compressed faithfully (the engine calls it
+        for each new dtype, before compressing any of its tensors); anything goes by default."""
+
     def finalize(self, out: Tensor, ctx: CompressContext) -> None:
         """A step after aggregation, in place on the averaged result ``out`` (a majority vote takes its
         sign); nothing by default."""

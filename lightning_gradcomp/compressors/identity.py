@@ -130,6 +130,13 @@ class FP16(_Cast):
     name = "fp16"
     wire_dtype = torch.float16
 
+    def check_gradient_dtype(self, dtype: torch.dtype) -> None:
+        """Refuse bfloat16 gradients: as many bytes in fp16, and values beyond ±65504 would become infinite."""
+        if dtype == torch.bfloat16:
+            raise ValueError("compressor 'fp16' on bfloat16 gradients sends as many bytes and turns values beyond "
+                             "fp16's ±65504 into inf; allowed for bfloat16 gradients: 'bf16' (or 'none', the same "
+                             "bytes), or any other compressor")
+
 
 class BF16(_Cast):
     """bfloat16 (8-bit exponent, 7-bit mantissa): 2x fewer bytes than fp32, fp32's range."""

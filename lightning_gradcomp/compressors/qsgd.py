@@ -44,18 +44,22 @@ class QSGD(Compressor):
     comes from a per-step, per-worker generator (on CPU at 16-bit resolution, see :func:`offset_uniform`).
 
     Args:
-        levels: ``s >= 1``.
+        levels: ``s >= 1`` (default 16).
         bucket_size: elements per norm; QSGD uses 512.
-        bits: alternatively, the code width in bits (2 to 32), sign included; overrides ``levels``.
+        bits: alternatively, the code width in bits (2 to 32), sign included: ``levels = 2**(bits - 1) - 1``
+            (given both, they must agree).
     """
 
     name = "qsgd"
     biased = False
 
-    def __init__(self, levels: int = 16, bucket_size: int = 512, bits: Optional[int] = None) -> None:
-        self.levels = levels
+    def __init__(self, levels: Optional[int] = None, bucket_size: int = 512, bits: Optional[int] = None) -> None:
+        self.levels = 16 if levels is None else levels
         if bits is not None:
             self.bits = bits
+            if levels is not None and self.levels != levels:
+                raise ValueError(f"QSGD: `levels` ({levels}) and `bits` ({bits}, i.e. levels={self.levels}) disagree; "
+                                 "allowed: one of them, or both describing the same quantiser")
         self.bucket_size = check_int(bucket_size, "bucket_size", 1)
 
     @property

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.tally import CollectiveTally
 
 if TYPE_CHECKING:
     from lightning_gradcomp.ddp.hook import GradCompHookState
@@ -54,15 +55,17 @@ def gather_entry(hook_state: "GradCompHookState", compressor: Compressor,
 def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,
                   load_worker_states: Callable[[list[dict[str, Any]]], None]) -> None:
     """Apply a checkpoint entry: every worker's own state when the run has the same number of workers,
-    the same compressor and the same exchange layout; otherwise keep only the step counter and the
-    running totals, with a warning that says what is dropped."""
+    the same compressor and the same exchange layout; otherwise keep only the step counter, the
+    running totals and the log of collectives (so a summary prices every step), with a warning that
+    says what is dropped."""
     check_format(saved)
     name = type(compressor).__name__
     layout = getattr(hook_state, "layout", "flat")
     if saved["world_size"] != workers or saved["compressor"] != name or saved.get("layout", "flat") != layout:
         _warn_on_first_rank(describe_dropped(saved, workers, name, layout))
-        hook_state.totals = mean_totals(saved["ranks"])
-        hook_state.step = max(int(rank.get("step", 0)) for rank in saved["ranks"])
+        hook_state.restore_counters(max(int(rank.get("step", 0)) for rank in saved["ranks"]),
+                                    mean_totals(saved["ranks"]),
+                                    CollectiveTally.from_state_dict(saved["ranks"][0].get("collectives")))
         return
     load_worker_states(saved["ranks"])
     logger.info("gradcomp: restored the compression memory of %d workers of %s (layout %s)", workers, name, layout)
@@ -101,8 +104,8 @@ def describe_dropped(saved: dict[str, Any], workers: int, name: str, layout: str
         f"gradcomp: the checkpoint holds error-feedback memory of {saved['world_size']} workers of "
         f"{saved['compressor']}, this run has {workers} of {name}{layouts}; the residuals are dropped and start "
         "from zero. "
-        f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat) and "
-        "the running totals (averaged over the saved workers)."
+        f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat), "
+        "the running totals (averaged over the saved workers) and the log of collectives."
     )
 
 

@@ -63,12 +63,21 @@ class GradCompHandle:
     @property
     def totals(self) -> StepStats:
         """Running totals of every completed step (part of :meth:`state_dict`)."""
-        self.hook_state.last_step_stats  # closes the step that ended, if any
+        self.hook_state.flush()  # closes the step that ended, if any
         return self.hook_state.totals
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The first error of an exchange (a :class:`~lightning_gradcomp.CollectiveError` when a peer
+        died), ``None`` while all went well. DDP's ``backward()`` raises it as a ``RuntimeError`` whose
+        message carries the error's type and message; ``with exchange_failures(handle):`` around the
+        backward (or ``raise handle.failure``) gives the error itself."""
+        return self.hook_state.failure
+
     def summary(self, network: Optional[Network] = None) -> str:
-        """The end-of-training table (averaged over ranks; every rank must call it). With ``network``,
-        the estimated communication time of the run next to dense DDP's."""
+        """The end-of-training table (averaged over ranks; every rank must call it), the last step
+        included. With ``network``, the estimated communication time of the run next to dense DDP's."""
+        self.hook_state.flush()
         group = self.hook_state.driver.group
 
         def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ import atexit
 import logging
 import threading
 import weakref
-from typing import Any, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,9 @@ class GradCompHookState:
         self._closed_step = 0
         self._lock = threading.Lock()
         self._cpu_group: Optional[dist.ProcessGroup] = None
+        #: the first error of an exchange whose future DDP waited on (a :class:`CollectiveError` when a peer
+        #: died); DDP's backward raises it as a ``RuntimeError`` carrying its message (see :meth:`_for_ddp`)
+        self.failure: Optional[BaseException] = None
         logger.info("gradcomp hook on rank %d of %d: %r, error feedback %s, min_compress_numel %d, exchange thread %s",
                     self.driver.rank, self.driver.world_size, self.compressor, "on" if self.error_feedback else "off",
                     self.min_compress_numel,
@@ -263,8 +267,13 @@ class GradCompHookState:
         """Restore a :meth:`state_dict` (``device``: where the memory goes). On CUDA the tensors are
         created on the exchange stream, which later reads and frees them."""
         with self.streams.entered(torch.device(device)):
-            step, self._totals, self.tally = restore_worker_state(state, self.memory, device)
+            self.restore_counters(*restore_worker_state(state, self.memory, device))
+
+    def restore_counters(self, step: int, totals: StepStats, tally: CollectiveTally) -> None:
+        """Continue from a checkpoint's step counter, running totals and tally (the step counts as
+        closed: its figures are in ``totals``)."""
         self.step = self._closed_step = step
+        self._totals, self.tally = totals, tally
 
     def gather_group(self) -> Optional[dist.ProcessGroup]:
         """The group that gathers checkpoint entries: :attr:`checkpoint_group`, or a gloo group of the
@@ -305,9 +314,24 @@ class GradCompHookState:
                         "gradcomp: the exchange thread needs its process group, created with the hook state; pass "
                         "`device=` (or exchange_thread=True) to GradCompHookState so that it is created up front")
                 self.thread = ExchangeThread(self._thread_driver, self.streams)
-            return self.thread.submit(protocol, device, finish)
+            return self._for_ddp(self.thread.submit(protocol, device, finish))
         with self.streams.entered(device):
-            return self.driver.run(protocol, finish, device, self.streams.get(device))
+            return self._for_ddp(self.driver.run(protocol, finish, device, self.streams.get(device)))
+
+    def _for_ddp(self, future: Future) -> Future:
+        """``future`` in a form whose failure DDP's reducer sees. An error set on a future from Python is
+        only a value to the C++ reducer, which then fails to read it as the bucket's tensor ("Unable to
+        cast ... to Tensor"); a ``then`` callback that raises fails the returned future in C++, so
+        ``backward()`` raises a ``RuntimeError`` carrying the error's type and message. The error itself
+        is kept in :attr:`failure` (the strategies re-raise it, see :func:`exchange_failures`)."""
+        def value_or_raise(done: Future) -> torch.Tensor:
+            try:
+                return done.value()
+            except BaseException as error:
+                if self.failure is None:
+                    self.failure = error
+                raise
+        return future.then(value_or_raise)
 
     def exchange_now(self, entries: list[Entry], last: bool) -> None:
         """Exchange ``entries`` now, in the calling thread, each aggregate written into its ``out``
@@ -402,6 +426,26 @@ def _cleanup_at_exit() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - nothing can be reported at exit
             pass
+
+
+@contextmanager
+def exchange_failures(state: Any) -> Iterator[None]:
+    """Around a ``backward()`` of a DDP model with the hook: re-raise the exchange's own error (a
+    :class:`~lightning_gradcomp.exchange.drivers.CollectiveError` when a peer died) where DDP reports it
+    as a ``RuntimeError``, so that callers can catch it by type. ``state``: anything with a ``failure``
+    attribute (the hook state, or the handle :func:`~lightning_gradcomp.register` returns; ``None``
+    passes every error on)::
+
+        with lightning_gradcomp.exchange_failures(gradcomp):
+            loss.backward()
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        failure = getattr(state, "failure", None)
+        if failure is None or failure is error:
+            raise
+        raise failure from error
 
 
 def gradcomp_hook(state: GradCompHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:

@@ -120,6 +120,7 @@ class ExchangeEngine:
         #: without telemetry (``gradcomp estimate``)
         self.timed = False
         self._layouts: dict[tuple, Segments] = {}
+        self._checked_dtypes: set[tuple[type, torch.dtype]] = set()  # (compressor class, gradient dtype)
         self.compress_clock = Stopwatch()
         self.decompress_clock = Stopwatch()
 
@@ -135,6 +136,10 @@ class ExchangeEngine:
            protocol decodes and commits its memory, and a non-finite bucket's results become NaN.
         """
         entries = sorted(entries, key=lambda entry: entry.name)
+        compressor = type(self.pipeline.compressor)
+        for key in {(compressor, entry.grad.dtype) for entry in entries} - self._checked_dtypes:
+            self.pipeline.compressor.check_gradient_dtype(key[1])
+            self._checked_dtypes.add(key)
         device = entries[0].grad.device if entries else torch.device("cpu")
         contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed, None,
                                           entry.grad.dtype) for entry in entries]

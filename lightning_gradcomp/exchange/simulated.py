@@ -177,4 +177,8 @@ class SimulatedExchange:
 
     def load_state_dicts(self, states: list[dict[str, Any]], device: torch.device) -> None:
         for pipeline, state in zip(self.pipelines, states):
-            self.step, self.totals, self.tally = restore_worker_state(state, pipeline.memory, device)
+            self.restore_counters(*restore_worker_state(state, pipeline.memory, device))
+
+    def restore_counters(self, step: int, totals: StepStats, tally: CollectiveTally) -> None:
+        """Continue from a checkpoint's step counter, running totals and tally."""
+        self.step, self.totals, self.tally = step, totals, tally

@@ -55,6 +55,10 @@ class ExchangeState(Protocol):
     def use_compressor(self, compressor: Optional[Compressor]) -> None:
         """Switch compressor between steps (``None``: uncompressed); memory and state are kept."""
 
+    def restore_counters(self, step: int, totals: StepStats, tally: CollectiveTally) -> None:
+        """Continue from a checkpoint's step counter, running totals and tally of collectives (the
+        memory stays as it is: a resume that cannot keep the residuals)."""
+
 
 def worker_state(step: int, memory: CompressionMemory, totals: StepStats, tally: CollectiveTally) -> dict[str, Any]:
     """One worker's part of a checkpoint entry: step, memory (CPU copies), running totals, tally."""

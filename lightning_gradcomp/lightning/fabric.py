@@ -47,11 +47,15 @@ from lightning_gradcomp.lightning.options import (
     REGISTERED_VARIANTS,
 )
 from lightning_gradcomp.lightning.options import check_fit_setup
-from lightning_gradcomp.ddp.hook import no_communication_hook
+from lightning_gradcomp.ddp.hook import exchange_failures, no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.handle import attach, LocalUpdateHandle
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
+
+
+#: Options of :class:`~lightning_gradcomp.GradCompStrategy` that Fabric's strategy does not take.
+TRAINER_ONLY_OPTIONS = ("hierarchy", "log_stats", "print_summary")
 
 
 class GradCompFabricStrategy(DDPStrategy):
@@ -91,6 +95,13 @@ class GradCompFabricStrategy(DDPStrategy):
     ) -> None:
         self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
         self.exchange_thread = None if exchange_thread is None else check_bool(exchange_thread, "exchange_thread")
+        trainer_only = sorted(set(kwargs) & set(TRAINER_ONLY_OPTIONS))
+        if trainer_only:
+            raise ValueError(
+                f"GradCompFabricStrategy: {trainer_only} are options of the Trainer's GradCompStrategy only (the "
+                "hierarchical exchange, logging and the end-of-fit summary); with Fabric, print "
+                "fabric.strategy.summary() yourself. Allowed here: compressor, error_feedback, min_compress_numel, "
+                "seed, exchange_thread, timeout, local_updates and DistributedDataParallel's arguments")
         kwargs = check_ddp_kwargs(kwargs, "GradCompFabricStrategy")
         self.local_updates = check_local_updates(local_updates)
         if self.local_updates is not None:
@@ -168,6 +179,13 @@ class GradCompFabricStrategy(DDPStrategy):
             raise ValueError("GradCompFabricStrategy(local_updates=...): set the model up before (or with) its "
                              "optimizer: fabric.setup(model, optimizer)")
         return super().setup_optimizer(optimizer)
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
+        with exchange_failures(self.gradcomp.hook_state if self.gradcomp is not None else None):
+            super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

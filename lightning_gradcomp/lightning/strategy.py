@@ -23,7 +23,7 @@ from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, gather_entry
 from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
-from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook, no_communication_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop
@@ -205,7 +205,9 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         if self.hierarchy == "node":
             if self.num_nodes == 1:
                 rank_zero_warn("GradCompStrategy(hierarchy='node') on one node: gradients are all-reduced dense "
-                               "inside the node and nothing is compressed; use hierarchy='none' on one node")
+                               "inside the node (twice DDP's bytes), then still compressed, with error feedback, by "
+                               "a 'cross-node' exchange of one node, and the figures count only that exchange's "
+                               "bytes; use hierarchy='none' on one node")
             intra, cross = node_groups(self.num_nodes, self.num_processes)
             self.hook_state = HierarchicalHookState(self.compressor, names, intra_group=intra, cross_group=cross,
                                                     **options)
@@ -213,6 +215,14 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device, **options)
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Lightning's backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
+        with exchange_failures(self.hook_state):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ per-step figures
     @override

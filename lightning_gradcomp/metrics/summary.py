@@ -77,8 +77,10 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
         link = f"{network.bandwidth_gbps:g} Gbit/s {network.topology}, {network.latency_us:g} µs"
         saved = dense_s - comm_s
         rows.append(("est. communication", f"{comm_s:.3g} s vs {dense_s:.3g} s dense on {link}"))
-        rows.append(("est. time saved", f"{saved:.3g} s" + (f" ({dense_s / comm_s:.1f}x less)"
-                                                           if comm_s > 0 and math.isfinite(dense_s) else "")))
+        factor = ""
+        if comm_s > 0 and dense_s > 0 and math.isfinite(dense_s):
+            factor = f" ({dense_s / comm_s:.1f}x less)" if dense_s >= comm_s else f" ({comm_s / dense_s:.1f}x more)"
+        rows.append(("est. time saved", f"{saved:.3g} s{factor}"))
     width = max(len(name) for name, _ in rows)
     lines = ["gradcomp summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ the package; ``--config`` takes a recipe by its file name anywhere (:mod:`lightn
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -22,6 +23,13 @@ import lightning_gradcomp  # noqa: F401  (registers the "gradcomp" strategies)
 from lightning_gradcomp.tools.presets import describe, resolve_config
 
 
+#: The commands of ``gradcomp`` besides LightningCLI's, shown under ``gradcomp --help``.
+EPILOG = """more commands:
+  gradcomp estimate --model M --batch-shape S ...   predict each compressor's step time on a network model
+                                                    (gradcomp estimate --help)
+  gradcomp presets                                  list the recipes and presets shipped with the package"""
+
+
 def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
     """Build (and by default run) the command line; ``args`` replaces ``sys.argv[1:]``."""
     return LightningCLI(
@@ -30,6 +38,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> LightningCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"epilog": EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter},
         args=args,
         run=run,
     )

@@ -38,7 +38,6 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,10 +47,10 @@ from torch import nn
 from lightning_gradcomp.compressors import Compressor, NoCompression
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.metrics.netmodel import TOPOLOGIES, Network
+from lightning_gradcomp.tools.presets import preset_root
 
-#: The compressors tried by default: the presets in ``configs/compressors``, when run from a checkout.
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "compressors"
-#: Used where the presets are not on disk (an installed package).
+#: The compressors priced by default (one or two settings per family; ``--compressors all`` prices every
+#: preset in ``configs/compressors``, see :func:`preset_root`), and what is used where those are not on disk.
 DEFAULT_COMPRESSORS = {
     "topk_50x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.01}},
     "topk_500x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.001}},
@@ -116,17 +115,25 @@ def build_model(spec: str, model_args: Optional[dict[str, Any]] = None) -> nn.Mo
 
 
 def load_compressors(names: Optional[list[str]] = None) -> dict[str, Compressor]:
-    """The presets to compare (``configs/compressors/*.yaml`` where present), optionally only ``names``."""
+    """The presets to compare, by name (``configs/compressors/*.yaml`` of :func:`preset_root`, in a checkout
+    or inside the installed package): ``names``, ``["all"]`` for every preset, or by default those of
+    :data:`DEFAULT_COMPRESSORS`."""
     specs: dict[str, dict[str, Any]] = {}
-    if PRESETS.is_dir():
-        specs = {path.stem: yaml.safe_load(path.read_text()) for path in sorted(PRESETS.glob("*.yaml"))}
+    root = preset_root()
+    if root is not None:
+        specs = {path.stem: yaml.safe_load(path.read_text())
+                 for path in sorted((root / "configs" / "compressors").glob("*.yaml"))}
     specs = specs or dict(DEFAULT_COMPRESSORS)
     specs.pop("none", None)
     specs.pop("fp16", None)
+    if not names:
+        names = [name for name in DEFAULT_COMPRESSORS if name in specs]
+    elif names == ["all"]:
+        names = list(specs)
     if names:
         unknown = sorted(set(names) - set(specs))
         if unknown:
-            raise ValueError(f"`--compressors`: unknown preset(s) {unknown}; allowed: {', '.join(sorted(specs))}")
+            raise ValueError(f"`--compressors`: unknown preset(s) {unknown}; allowed: all, {', '.join(sorted(specs))}")
         specs = {name: specs[name] for name in names}
     built = {}
     for name, spec in specs.items():
@@ -316,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bandwidth", default="10gbit", help="link rate: 100mbit, 1gbit, 25gbit... (default 10gbit)")
     parser.add_argument("--latency", default="50us", help="per-message latency: 50us, 0.5ms... (default 50us)")
     parser.add_argument("--topology", default="ring", choices=list(TOPOLOGIES))
-    parser.add_argument("--compressors", nargs="+", default=None, help="preset names (default: all)")
+    parser.add_argument("--compressors", nargs="+", default=None,
+                        help=f"preset names, or 'all' (every preset); default: {' '.join(DEFAULT_COMPRESSORS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -332,6 +340,10 @@ def run(argv: Optional[list[str]] = None) -> list[Prediction]:
     args = build_parser().parse_args(argv)
     if args.workers < 1:
         raise ValueError(f"`--workers` must be an integer >= 1, got {args.workers}")
+    if args.repeats < 1:
+        raise ValueError(f"`--repeats` must be an integer >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"`--threads` must be an integer >= 1 (or left out: torch's default), got {args.threads}")
     if args.sync_every is not None and args.sync_every < 1:
         raise ValueError(f"`--sync-every` must be an integer >= 1, got {args.sync_every}")
     try:
@@ -340,7 +352,7 @@ def run(argv: Optional[list[str]] = None) -> list[Prediction]:
         raise ValueError(f"`--batch-shape` must be comma-separated sizes such as 32,3,224,224, got "
                          f"{args.batch_shape!r}") from None
     network = Network(parse_bandwidth(args.bandwidth), parse_latency(args.latency), args.topology)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     compressors = load_compressors(args.compressors)

@@ -2,7 +2,9 @@
 
 Rank 1 fails at step 3 (``--fault exit``: leaves at once; ``kill``: SIGKILL; ``hang``: stops answering).
 Rank 0 must end with an error naming the failed collective and its rank, within the process group's
-timeout: it prints ``FAILED <seconds> <message>`` and exits 3, or prints ``FINISHED`` if training ended.
+timeout: it prints ``FAILED <seconds> <type> <message>`` (``type``: the error's type once
+:func:`~lightning_gradcomp.exchange_failures` has unwrapped what DDP raised) and exits 3, or prints
+``FINISHED`` if training ended.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.local import local_updates
 
 
@@ -38,7 +40,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    outer = None
+    outer = state = None
     if args.local:
         ddp = model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -47,9 +49,9 @@ def main() -> None:
     else:
         ddp = nn.parallel.DistributedDataParallel(model)
         names = {id(p): n for n, p in model.named_parameters()}
-        ddp.register_comm_hook(GradCompHookState(args.compressor, names, min_compress_numel=args.min_compress_numel,
-                                                 exchange_thread=args.thread),
-                               gradcomp_hook)
+        state = GradCompHookState(args.compressor, names, min_compress_numel=args.min_compress_numel,
+                                  exchange_thread=args.thread)
+        ddp.register_comm_hook(state, gradcomp_hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     began = None
     try:
@@ -63,13 +65,14 @@ def main() -> None:
                 os._exit(0)
             began = time.monotonic()
             optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(torch.randn(16, 64)), torch.randint(0, 10, (16,))).backward()
+            with exchange_failures(state):
+                nn.functional.cross_entropy(ddp(torch.randn(16, 64)), torch.randint(0, 10, (16,))).backward()
             optimizer.step()
             if outer is not None:
                 outer.step()
     except Exception as error:  # noqa: BLE001 - reported to the test
         message = " ".join(str(error).split())
-        print(f"FAILED {time.monotonic() - began:.2f} {message}", flush=True)
+        print(f"FAILED {time.monotonic() - began:.2f} {type(error).__name__} {message}", flush=True)
         os._exit(3)
     print("FINISHED", flush=True)
     dist.destroy_process_group()

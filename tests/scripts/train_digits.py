@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import warnings
 
 import lightning as L
@@ -17,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
-from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp import CollectiveError, GradCompStrategy
 from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor, DGCWarmup
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradCompSimStrategy
@@ -49,6 +51,17 @@ class SaveAtEpochEnd(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch + 1 == self.epoch:
             trainer.save_checkpoint(self.path)
+
+
+class PeerDies(Callback):
+    """Rank 1 leaves the job at once when optimizer step ``step`` begins (a crashed or preempted node)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            os._exit(3)
 
 
 class RecordSteps(Callback):
@@ -106,6 +119,8 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveCompression schedule on val_acc")
     parser.add_argument("--validate", action="store_true", help="run validation every epoch")
     parser.add_argument("--local", type=int, default=0, help="local updates: synchronise every LOCAL steps")
+    parser.add_argument("--peer-dies-at-step", type=int, default=None,
+                        help="rank 1 exits at this step; rank 0 prints COLLECTIVE_ERROR and exits 3 on CollectiveError")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -128,6 +143,8 @@ def main() -> None:
                                              thresholds=[0.5, 0.85, 0.99], patience=2, escape_epochs=1))
     if args.warmup_epochs:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
+    if args.peer_dies_at_step is not None:
+        callbacks.append(PeerDies(args.peer_dies_at_step))
     if args.save and args.save_at_epoch:
         callbacks.append(SaveAtEpochEnd(args.save_at_epoch, args.save))  # last: after the others' epoch end
     trainer = L.Trainer(
@@ -139,7 +156,11 @@ def main() -> None:
     )
     model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
     data = SimulatedOrderDigits(args.simulate, args.seed) if args.simulate else DigitsDataModule(batch_size=32)
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    except CollectiveError as error:
+        print("COLLECTIVE_ERROR", " ".join(str(error).split()), flush=True)
+        sys.exit(3)
     if args.save and not args.save_at_epoch:
         trainer.save_checkpoint(args.save)
     result = {

@@ -46,7 +46,9 @@ def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: st
     """Every key of every level must be a settable parameter of the compressor with a value it accepts
     (each level is tried on a copy before training), and an uncompressed level (None) is refused for
     compressors that carry the optimizer's momentum (DGC)."""
-    allowed = sorted(compressor.hparams())
+    settable = {name for name in dir(type(compressor))
+                if isinstance(getattr(type(compressor), name), property) and getattr(type(compressor), name).fset}
+    allowed = sorted(set(compressor.hparams()) | settable)
     if compressor.owns_residual and any(level is None for level in levels):
         raise ValueError(
             f"{caller}: an uncompressed level (None) would drop {type(compressor).__name__}'s momentum and leave its "
@@ -54,7 +56,7 @@ def check_level_keys(compressor: Compressor, levels: Sequence[Level], caller: st
         )
     for level in levels:
         for key in level or {}:
-            if key not in allowed and not isinstance(getattr(type(compressor), key, None), property):
+            if key not in allowed:
                 raise ValueError(
                     f"{caller}: a level sets `{key}`, which {type(compressor).__name__} does not have; "
                     f"allowed: {', '.join(allowed)}"
@@ -98,7 +100,8 @@ def _log_level(pl_module: "L.LightningModule", index: int, level: Level) -> None
     pl_module.log("gradcomp/compressed", 0.0 if level is None else 1.0, on_step=True, on_epoch=False)
     for key, value in (level or {}).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            pl_module.log(f"gradcomp/{key}", float(value), on_step=True, on_epoch=False)
+            # under level/: gradcomp/density is the measured density (CompressionMonitor, the strategy)
+            pl_module.log(f"gradcomp/level/{key}", float(value), on_step=True, on_epoch=False)
 
 
 @dataclass
@@ -127,7 +130,7 @@ class AdaptiveCompression(Callback):
 
     Every rank uses the same level: the decision is made on rank 0 and broadcast. The level index,
     whether compression is on and the live parameters are logged every step (``gradcomp/level``,
-    ``gradcomp/compressed``, ``gradcomp/<parameter>``); changes are printed once; the state is in the
+    ``gradcomp/compressed``, ``gradcomp/level/<parameter>``); changes are printed once; the state is in the
     checkpoint.
 
     Args:
