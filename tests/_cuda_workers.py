@@ -168,3 +168,98 @@ def simulate(name: str, device: str, steps: int = 3, workers: int = 2) -> list[d
             exchange.add_worker(worker, [(n, torch.randn(s, generator=generator).to(device)) for n, s in shapes.items()])
         results.append({n: t.cpu() for n, t in exchange.finish_step().items()})
     return results
+
+
+# ---------------------------------------------------------------- issue 40: streams, threads, communicators
+def check_overlapped_exchange_while_the_default_stream_allocates(rank: int, world_size: int) -> None:
+    """Many 1 MB buckets of outer gradients exchanged on the exchange thread (``exchange_later``) while the
+    default stream allocates and overwrites memory of the same sizes (an inner step's new tensors): equal to
+    ``exchange_now`` of the same inputs bit for bit. Without ``record_stream`` on the exchange stream the
+    freed outer gradients' memory is handed to the default stream's next allocations while the exchange
+    stream still reads it."""
+    from lightning_gradcomp.exchange.engine import Entry
+
+    def exchange(later: bool) -> list[torch.Tensor]:
+        state = GradCompHookState("int8", {}, exchange_thread=later, min_compress_numel=256,
+                                  device=torch.device("cuda"))
+        generator = torch.Generator(device="cuda").manual_seed(rank)
+        outs, futures = [], []
+        for number in range(48):
+            grads = [torch.randn(2**18, device="cuda", generator=generator) for _ in range(2)]
+            out = [torch.empty_like(grad) for grad in grads]
+            entries = [Entry(f"b{number}.{i}", tuple(g.shape), g, o) for i, (g, o) in enumerate(zip(grads, out))]
+            if later:
+                futures.append(state.exchange_later(entries, last=True))
+            else:
+                state.exchange_now(entries, last=True)
+            del grads, entries  # freed at once on this stream: reused by the scribbles below
+            for _ in range(4):
+                torch.full((2**18,), float("nan"), device="cuda").mul_(2)
+            outs += out
+        for future in futures:
+            future.wait()
+        state.close()
+        return [out.cpu() for out in outs]
+
+    now, later = exchange(False), exchange(True)
+    assert all(torch.equal(a, b) for a, b in zip(now, later)), "overlapped outer gradients were overwritten"
+
+
+def check_no_context_on_another_ranks_gpu(rank: int, world_size: int) -> None:
+    """Two ranks on two GPUs (NCCL), the exchange thread on: no process holds a context on the other's GPU
+    after a few steps (a new thread's device is 0)."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank], bucket_cap_mb=0.5)
+    handle = lightning_gradcomp.register(ddp, TopK(0.01), min_compress_numel=256, exchange_thread=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in _batches(rank, 5):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    handle.close()
+    dist.barrier()
+    pid = os.getpid()
+    for device in range(world_size):
+        listed = torch.cuda.list_gpu_processes(device)
+        if device != rank:
+            assert str(pid) not in listed, f"rank {rank} (pid {pid}) holds a context on GPU {device}:\n{listed}"
+
+
+def _entry_per_gpu(rank: int, world_size: int, port: int, fn: Callable[..., None]) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_one_gpu_per_rank(fn: Callable[..., None], world_size: int) -> None:
+    mp.start_processes(_entry_per_gpu, args=(world_size, free_port(), fn), nprocs=world_size, start_method="spawn")
+
+
+def check_one_hardware_queue(rank: int, world_size: int) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` (set before CUDA starts) on NCCL: the exchange runs in the hook,
+    200 steps of Top-k and PowerSGD finish, and ``exchange_thread=True`` is refused."""
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    for compressor in (TopK(0.01), COMPRESSORS["powersgd"]()):
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.5)
+        handle = lightning_gradcomp.register(ddp, compressor, min_compress_numel=256)
+        assert handle.hook_state.thread is None and handle.hook_state.exchange_thread is False
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for x, y in _batches(rank, 200):
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    try:
+        GradCompHookState("topk", {}, exchange_thread=True)
+    except ValueError as error:
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" in str(error)
+    else:
+        raise AssertionError("exchange_thread=True accepted with CUDA_DEVICE_MAX_CONNECTIONS=1 on NCCL")

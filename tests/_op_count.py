@@ -111,23 +111,27 @@ def _counted(protocol: Generator, counter: OpCounter) -> Generator:
 
 def count_bucket_ops(make: Callable[[], Compressor], tensors: int, steps: int = 3, accelerator: bool = True,
                      error_feedback: Optional[bool] = None, seed: int = 0,
-                     shape: tuple[int, ...] = SHAPE, dense_tensors: int = 0, workers: int = 2) -> OpCounter:
+                     shape: tuple[int, ...] = SHAPE, dense_tensors: int = 0, workers: int = 2,
+                     exchange_type: type = SimulatedExchange) -> OpCounter:
     """Worker 0's ops for the last of ``steps`` steps of a bucket of ``tensors`` tensors of ``shape``
     and ``dense_tensors`` tensors of 512 elements, below the size threshold (biases: sent dense;
-    ``workers`` workers, the compressor's default error feedback, telemetry off)."""
+    ``workers`` workers, the compressor's default error feedback, telemetry off; ``exchange_type``: a
+    :class:`SimulatedExchange` or a subclass, e.g. one that writes the results into the gradients as DDP)."""
     names = [f"layer{index:03d}.weight" for index in range(tensors)]
     names += [f"layer{index:03d}.bias" for index in range(dense_tensors)]
     bucket = {name: shape if name.endswith(".weight") else (512,) for name in names}
-    return count_step_ops(make, [bucket], steps, accelerator, error_feedback, seed, workers)
+    return count_step_ops(make, [bucket], steps, accelerator, error_feedback, seed, workers,
+                          exchange_type=exchange_type)
 
 
 def count_step_ops(make: Callable[[], Compressor], buckets: Sequence[dict[str, tuple[int, ...]]], steps: int = 3,
                    accelerator: bool = True, error_feedback: Optional[bool] = None, seed: int = 0,
-                   workers: int = 2, min_compress_numel: int = 1024) -> OpCounter:
+                   workers: int = 2, min_compress_numel: int = 1024,
+                   exchange_type: type = SimulatedExchange) -> OpCounter:
     """Worker 0's ops for the last of ``steps`` steps whose gradients come in ``buckets`` (each a
     ``{name: shape}`` in the bucket's order; tensors below ``min_compress_numel`` elements are sent dense)."""
-    exchange = SimulatedExchange(make(), workers=workers, error_feedback=error_feedback,
-                                 min_compress_numel=min_compress_numel, seed=seed)
+    exchange = exchange_type(make(), workers=workers, error_feedback=error_feedback,
+                             min_compress_numel=min_compress_numel, seed=seed)
     exchange.telemetry_due = False
     generator = torch.Generator().manual_seed(seed)
     counter = OpCounter()

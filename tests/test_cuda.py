@@ -141,3 +141,47 @@ def test_lightning_precisions_save_and_resume_on_one_gpu(tmp_path: Path) -> None
     assert results["bf16-true-powersgd"]["residual_dtypes"] == ["torch.float32"]
     assert "precision='16-mixed'" in results["16-mixed-topk-refused"]
     assert results["resume-thread"] and results["resume-hook"]
+
+
+# ---------------------------------------------------------------- issue 40: streams, threads, communicators
+@pytest.mark.multiprocess
+def test_overlapped_exchanges_survive_the_default_streams_allocations() -> None:
+    workers.run_on_gpu(workers.check_overlapped_exchange_while_the_default_stream_allocates, 1, "nccl")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_no_rank_creates_a_context_on_another_ranks_gpu() -> None:
+    workers.run_one_gpu_per_rank(workers.check_no_context_on_another_ranks_gpu, 2)
+
+
+@pytest.mark.multiprocess
+def test_one_hardware_queue_keeps_the_exchange_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # inherited by the spawned process before CUDA starts
+    workers.run_on_gpu(workers.check_one_hardware_queue, 1, "nccl")
+
+
+@pytest.mark.parametrize("name", ["powersgd", "demo"])
+def test_tf32_leaves_powersgd_and_demo_in_fp32_on_cuda(name: str) -> None:
+    """``set_float32_matmul_precision("high")`` (TF32, as Lightning suggests on recent GPUs): the same
+    results as ``"highest"`` bit for bit."""
+    from lightning_gradcomp.exchange.simulated import SimulatedExchange
+
+    def run(precision: str) -> list[torch.Tensor]:
+        torch.set_float32_matmul_precision(precision)
+        try:
+            make = COMPRESSORS[name]
+            exchange = SimulatedExchange(make(**({"decay": 0.95, "sign": False} if name == "demo" else {})), 2,
+                                         min_compress_numel=100)
+            generator = torch.Generator().manual_seed(3)
+            results = []
+            for _ in range(3):
+                for worker in range(2):
+                    exchange.add_worker(worker, [("a", torch.randn(256, 192, generator=generator).cuda()),
+                                                 ("b", torch.randn(128, 128, generator=generator).cuda())])
+                results += [t.cpu() for t in exchange.finish_step().values()]
+            return results
+        finally:
+            torch.set_float32_matmul_precision("highest")
+
+    assert all(torch.equal(a, b) for a, b in zip(run("highest"), run("high")))

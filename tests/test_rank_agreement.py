@@ -28,15 +28,13 @@ from tests.test_segments import SEGMENTED, SHAPES
 
 WORKERS = 5
 #: besides the path-equality suite's configurations: DeMo's means unsigned in fp32 (signs hide the last bits),
-#: and every registered compressor that suite does not name (Random-k, the hard threshold, a new one), at the
-#: conformance suite's settings
+#: and every registered compressor that suite does not name (a new one), at the conformance suite's settings
 MORE = [("demo-unsigned", lambda: COMPRESSORS["demo"](chunk=8, k=4, sign=False))] + [
     (name, functools.partial(lambda name: COMPRESSORS[name](**conformance_settings().get(name, {})), name))
     for name in sorted(COMPRESSORS) if name not in {label.split("-")[0] for label, _ in SEGMENTED}]
 EVERY = SEGMENTED + MORE
 #: (label, factory, segmented): every configuration's whole buckets (the path a GPU runs), and the per-tensor
-#: protocols of each compressor's first configuration (each name once: Random-k and the hard threshold have no
-#: other path)
+#: protocols of each compressor's first configuration (each name once)
 CASES = [(label, make, True) for label, make in EVERY] + [
     (label, make, False) for index, (label, make) in enumerate(EVERY)
     if label.split("-")[0] not in {other.split("-")[0] for other, _ in EVERY[:index]}]

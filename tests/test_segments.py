@@ -60,6 +60,11 @@ SEGMENTED = [
     ("none", lambda: COMPRESSORS["none"]()),
     ("fp16", lambda: COMPRESSORS["fp16"]()),
     ("bf16-with-error-feedback", lambda: _with_feedback(COMPRESSORS["bf16"]())),
+    ("randomk", lambda: COMPRESSORS["randomk"](density=0.05)),
+    ("randomk-own-indices", lambda: COMPRESSORS["randomk"](density=0.01, shared_indices=False)),
+    ("randomk-above-1/8", lambda: COMPRESSORS["randomk"](density=0.3)),
+    ("threshold", lambda: COMPRESSORS["threshold"](threshold=1.5)),
+    ("threshold-zero", lambda: COMPRESSORS["threshold"](threshold=0.0)),
 ]
 
 

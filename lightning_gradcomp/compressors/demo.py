@@ -75,7 +75,7 @@ from lightning_gradcomp.compressors.base import (
     squared_norm,
 )
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
-from lightning_gradcomp.core.device import state_dtype, to_device
+from lightning_gradcomp.core.device import full_precision_matmuls, state_dtype, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 from lightning_gradcomp.core.tensors import row_scatter_sum_
@@ -150,10 +150,11 @@ class Tiling:
         whole tensor, then one copy into tile order)."""
         grid_rows, grid_cols = self.rows // self.a, self.cols // self.b
         out = flat.view(-1, self.b)
-        if self.b > 1:  # along each tile's rows: X·D_bᵀ
-            out = out @ dct_matrix(self.b, flat.dtype, flat.device).T
-        if self.a > 1:  # along each tile's columns: D_a·X
-            out = torch.matmul(dct_matrix(self.a, flat.dtype, flat.device), out.view(grid_rows, self.a, -1))
+        with full_precision_matmuls():
+            if self.b > 1:  # along each tile's rows: X·D_bᵀ
+                out = out @ dct_matrix(self.b, flat.dtype, flat.device).T
+            if self.a > 1:  # along each tile's columns: D_a·X
+                out = torch.matmul(dct_matrix(self.a, flat.dtype, flat.device), out.view(grid_rows, self.a, -1))
         return out.reshape(grid_rows, self.a, grid_cols, self.b).transpose(1, 2).reshape(self.tiles, self.tile)
 
     @property
@@ -178,31 +179,34 @@ class Tiling:
         grid_rows, grid_cols = self.rows // self.a, self.cols // self.b
         out = coefficients.reshape(grid_rows, grid_cols, self.a, self.b).transpose(1, 2).reshape(
             grid_rows, self.a, grid_cols * self.b)
-        if self.a > 1:
-            out = torch.matmul(dct_matrix(self.a, out.dtype, out.device).T, out)
-        out = out.reshape(-1, self.b)
-        if self.b > 1:
-            out = out @ dct_matrix(self.b, out.dtype, out.device)
+        with full_precision_matmuls():
+            if self.a > 1:
+                out = torch.matmul(dct_matrix(self.a, out.dtype, out.device).T, out)
+            out = out.reshape(-1, self.b)
+            if self.b > 1:
+                out = out @ dct_matrix(self.b, out.dtype, out.device)
         return out.reshape(-1)
 
 
 def transform_tiles(tiles: Tensor) -> Tensor:
     """DCT of a batch of ``(n, a, b)`` tiles, ``D_a·T·D_bᵀ`` (rows first, as :meth:`Tiling.encode`)."""
     a, b = tiles.shape[1:]
-    if b > 1:
-        tiles = tiles @ dct_matrix(b, tiles.dtype, tiles.device).T
-    if a > 1:
-        tiles = torch.matmul(dct_matrix(a, tiles.dtype, tiles.device), tiles)
+    with full_precision_matmuls():
+        if b > 1:
+            tiles = tiles @ dct_matrix(b, tiles.dtype, tiles.device).T
+        if a > 1:
+            tiles = torch.matmul(dct_matrix(a, tiles.dtype, tiles.device), tiles)
     return tiles
 
 
 def inverse_tiles(coefficients: Tensor) -> Tensor:
     """Inverse of :func:`transform_tiles`, ``D_aᵀ·C·D_b`` (columns first, as :meth:`Tiling.decode`)."""
     a, b = coefficients.shape[1:]
-    if a > 1:
-        coefficients = torch.matmul(dct_matrix(a, coefficients.dtype, coefficients.device).T, coefficients)
-    if b > 1:
-        coefficients = coefficients @ dct_matrix(b, coefficients.dtype, coefficients.device)
+    with full_precision_matmuls():
+        if a > 1:
+            coefficients = torch.matmul(dct_matrix(a, coefficients.dtype, coefficients.device).T, coefficients)
+        if b > 1:
+            coefficients = coefficients @ dct_matrix(b, coefficients.dtype, coefficients.device)
     return coefficients
 
 

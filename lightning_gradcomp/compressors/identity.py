@@ -22,7 +22,15 @@ from lightning_gradcomp.core.segments import Segments, SegmentsState
 
 class _DenseSegments(Compressor):
     """A whole bucket's tensors cast to the wire dtype and averaged by one all-reduce of the flat buffer
-    (segments without gaps): the same values as each tensor's own all-reducible payload."""
+    (segments without gaps): the same values as each tensor's own all-reducible payload.
+
+    :meth:`exchange_segments` only reads its input (``_reads_flat_only``), and its ``write`` reads only the
+    mean: a lone gradient of the state dtype is then handed over as it is, and its result written back into
+    it (:func:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline.segments_protocol`): for ``none`` on fp32
+    gradients one copy (the engine's merge into the all-reduce), one division and one write of the bucket."""
+
+    #: the bucket-wise exchange never writes into ``flat`` (see the pipeline's ``_input_as_flat``)
+    _reads_flat_only = True
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         """The dtype the bucket is sent in."""

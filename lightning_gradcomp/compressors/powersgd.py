@@ -16,7 +16,7 @@ from lightning_gradcomp.compressors.base import (
     check_bool,
     check_int,
 )
-from lightning_gradcomp.core.device import shared_draw_generator_device, to_device
+from lightning_gradcomp.core.device import full_precision_matmuls, shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 
@@ -120,20 +120,26 @@ class PowerSGD(Compressor):
         compute = _compute_dtype(tensor.dtype)
         local = tensor.view(n, m).to(compute)
         q = self._start_q(ctx, m, r, compute, tensor.device)
-        (p_mean,) = yield Round([Mean(local @ q)])
-        p_hat = orthogonalize(p_mean.clone())
-        (q_mean,) = yield Round([Mean(local.T @ p_hat)], last=True)
+        with full_precision_matmuls():
+            p_local = local @ q
+        (p_mean,) = yield Round([Mean(p_local)])
+        with full_precision_matmuls():
+            p_hat = orthogonalize(p_mean.clone())
+            q_local = local.T @ p_hat
+        (q_mean,) = yield Round([Mean(q_local)], last=True)
         if self.warm_start:  # committed like the bucket on every worker; a void step keeps the last Q
             ctx.commit(Q_STATE, q_mean.clone(), check_result=True)
 
         def subtract(residual: Tensor) -> None:
-            residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
+            with full_precision_matmuls():
+                residual.view(n, m).addmm_(p_hat.to(residual.dtype), q_mean.T.to(residual.dtype), alpha=-1.0)
 
         def write(out: Tensor) -> None:
-            if out.dtype == p_hat.dtype:
-                torch.mm(p_hat, q_mean.T, out=out.view(n, m))
-            else:
-                out.view(n, m).copy_(p_hat @ q_mean.T)
+            with full_precision_matmuls():
+                if out.dtype == p_hat.dtype:
+                    torch.mm(p_hat, q_mean.T, out=out.view(n, m))
+                else:
+                    out.view(n, m).copy_(p_hat @ q_mean.T)
 
         return Outcome((n + m) * r, subtract, write)
 
@@ -171,12 +177,14 @@ class PowerSGD(Compressor):
         for (n, m, r), members in batches.groups.items():
             q_views[(n, m, r)] = q_flat[offset:offset + len(members) * m * r].view(len(members), m, r)
             offset += len(members) * m * r
-        requests = [Mean(torch.bmm(matrices[shape], q_views[shape])) for shape in batches.groups]
+        with full_precision_matmuls():
+            requests = [Mean(torch.bmm(matrices[shape], q_views[shape])) for shape in batches.groups]
         results = yield Round(requests + ([Mean(averaged)] if averaged is not None else []))
-        p_hats = batches.orthogonalize(results[:len(batches.groups)])
+        with full_precision_matmuls():
+            p_hats = batches.orthogonalize(results[:len(batches.groups)])
+            q_requests = [Mean(torch.bmm(matrices[shape].transpose(1, 2), p_hats[shape])) for shape in batches.groups]
         averaged_mean = results[-1] if averaged is not None else None
-        q_means = yield Round([Mean(torch.bmm(matrices[shape].transpose(1, 2), p_hats[shape]))
-                               for shape in batches.groups], last=True)
+        q_means = yield Round(q_requests, last=True)
         q_means = dict(zip(batches.groups, q_means))
         if self.warm_start:  # committed like the bucket on every worker; a void step keeps the last Q
             state.commit(Q_STATE, torch.cat([q_means[shape].reshape(-1) for shape in batches.groups]),
@@ -185,8 +193,9 @@ class PowerSGD(Compressor):
 
         def product() -> Tensor:  # every matrix's P̂ Qᵀ, group after group (as batches.q_order)
             if not products:
-                pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
-                          for shape in batches.groups]
+                with full_precision_matmuls():
+                    pieces = [torch.bmm(p_hats[shape], q_means[shape].transpose(1, 2)).reshape(-1)
+                              for shape in batches.groups]
                 products.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
             return products[0]
 

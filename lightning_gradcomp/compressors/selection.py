@@ -273,19 +273,23 @@ def sampled_topk(
 def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_finite: bool = True
                    ) -> tuple[Tensor, Optional[Tensor]]:
     """The top-``k_t`` of every tensor of a bucket laid out in one flat buffer (segments aligned to
-    :data:`CONTIGUOUS_BLOCK`), in a fixed number of operations plus two ``topk`` per tensor.
+    :data:`CONTIGUOUS_BLOCK`), in a fixed number of operations plus one batched ``topk`` per group of tensors
+    of one size (so a fixed number for a bucket of equal shapes, and two per distinct size at most).
 
     The block method of :func:`block_topk` on rows of 64 elements of the whole buffer: one pass of row
-    peaks for the bucket; per tensor, the ``k_t`` rows with the largest peaks (all its rows where that
-    would not prune: ``64·k_t > d_t/4``); one gather of the kept rows; per tensor, the ``k_t`` largest
-    magnitudes among its candidates. Every step is exact, so each tensor's set is its top-``k_t`` (up to
-    ties), the set :func:`block_topk` chooses. No host synchronisation. When no tensor of the bucket prunes
-    (densities above about 1/256), every row is a candidate: the magnitudes of the buffer as it is, no
-    gather and no map back to positions.
+    peaks for the bucket; for the tensors whose rows are pruned (``64·k_t <= d_t/4``), the ``k_t`` rows with
+    the largest peaks, by one ``topk`` along the rows of every group of tensors of the same row count and
+    ``k`` (their peaks side by side, a view where they are consecutive, else one gather of the peaks: 1/64
+    of the bucket); one gather of the kept rows (all rows of the tensors not pruned), laid out group after
+    group; per group of tensors with as many candidates and the same ``k``, one ``topk`` along their
+    candidates. Every step is exact, so each tensor's set is its top-``k_t`` (up to ties), the set
+    :func:`block_topk` chooses. No host synchronisation. When no tensor of the bucket prunes (densities
+    above about 1/256), every row is a candidate: the magnitudes of the buffer as it is, no gather and no
+    map back to positions, one ``topk`` per run of consecutive tensors of one size and ``k``.
 
     Returns ``(positions, finite)``: the chosen positions in ``flat`` (int64, tensor after tensor,
-    ``k_t`` each) and one bool per tensor, whether it was finite (read from the row peaks; ``None``
-    unless ``report_finite``).
+    ``k_t`` each, in no particular order within a tensor) and one bool per tensor, whether it was finite
+    (read from the row peaks; ``None`` unless ``report_finite``).
     """
     block = CONTIGUOUS_BLOCK
     device = flat.device
@@ -295,37 +299,59 @@ def segmented_topk(flat: Tensor, segments: Segments, ks: Sequence[int], report_f
     # a peak is NaN or infinite exactly when an element of its row is; NaN < inf is false too
     finite = (torch.segment_reduce(peaks, "max", lengths=segments.row_lengths(device), unsafe=True).lt(math.inf)
               if peaks is not None and report_finite else None)
+    total = sum(ks)
+    chosen = torch.empty(total, dtype=torch.int64, device=device)
     if not plan.pruned:  # every row a candidate: the magnitudes in place, a position in them is one in flat
         magnitude = flat.abs()
         segments.fill_gaps(magnitude, -1.0)  # a gap's zeros must not be chosen: below every real magnitude
-        chosen = torch.empty(sum(ks), dtype=torch.int64, device=device)
-        values = torch.empty(sum(ks), dtype=flat.dtype, device=device)  # topk's values: unused
-        for k, start, count, out in zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts):
-            torch.topk(magnitude[start * block:(start + count) * block], k, sorted=False,
-                       out=(values[out:out + k], chosen[out:out + k]))
+        values = torch.empty(total, dtype=flat.dtype, device=device)  # topk's values: unused
+        for group in plan.chosen_groups:
+            _group_topk(magnitude, group, values, chosen)
         return chosen.add_(plan.candidate_offsets), finite
-    kept = plan.template.clone()
-    chosen = torch.empty(sum(ks), dtype=torch.int64, device=device)
-    values = torch.empty(max(sum(ks), kept.numel()), dtype=flat.dtype, device=device)  # topk's values: unused
-    if plan.pruned:
-        peak_values = values
-        for index in plan.pruned:
-            row, start, k = segments.starts[index] // block, plan.kept_starts[index], ks[index]
-            torch.topk(peaks[row:row + segments.rows_of(index)], k, sorted=False,
-                       out=(peak_values[start:start + k], kept[start:start + k]))
-    rows = kept + plan.row_offsets
-    magnitude = grid.index_select(0, rows).abs_()
+    kept = plan.template.clone() if plan.unpruned else torch.empty_like(plan.template)
+    values = torch.empty(max(total, kept.numel()), dtype=flat.dtype, device=device)  # topk's values: unused
+    # the pruned tensors' peaks group after group: the peaks themselves where each group's tensors are
+    # consecutive, else one gather of them (1/64 of the pruned tensors' elements)
+    source = peaks if plan.peak_index is None else peaks.index_select(0, plan.peak_index)
+    for group in plan.row_groups:  # the k rows of largest peaks of every tensor of the group, side by side
+        _group_topk(source, group, values, kept)
+        # rows of each tensor -> rows of flat
+        kept[group.out:group.out + group.tensors * group.k].view(group.tensors, -1).add_(group.offsets)
+    magnitude = grid.index_select(0, kept).abs_()
     # every candidate's position in flat: its row's first element plus its column
-    candidates = torch.addcmul(plan.columns, rows.view(-1, 1), plan.block)
+    candidates = torch.addcmul(plan.columns, kept.view(-1, 1), plan.block)
     if segments.padded:  # a gap's zeros must not be chosen: below every real magnitude
         magnitude.masked_fill_(candidates >= plan.ends, -1.0)
-    magnitude = magnitude.view(-1)
-    chosen_values = values
-    for k, start, count, out in zip(ks, plan.kept_starts, plan.kept_counts, plan.chosen_starts):
-        torch.topk(magnitude[start * block:(start + count) * block], k, sorted=False,
-                   out=(chosen_values[out:out + k], chosen[out:out + k]))
+    for group in plan.chosen_groups:
+        _group_topk(magnitude.view(-1), group, values, chosen)
     chosen += plan.candidate_offsets
+    if plan.order is not None:  # the groups' order back to the tensors'
+        chosen = chosen.index_select(0, plan.order)
     return candidates.view(-1)[chosen], finite
+
+
+def _group_topk(magnitude: Tensor, group: "_Group", values: Tensor, chosen: Tensor) -> None:
+    """The ``k`` largest of each of ``group.tensors`` consecutive runs of ``group.length`` magnitudes (one
+    ``topk`` along the rows of their view), their places within each run into ``chosen`` (and the values,
+    unused, into ``values``) from ``group.out`` on."""
+    out, span = group.out, group.tensors * group.k
+    torch.topk(magnitude[group.first:group.first + group.tensors * group.length].view(group.tensors, -1), group.k,
+               dim=1, sorted=False, out=(values[out:out + span].view(group.tensors, -1),
+                                         chosen[out:out + span].view(group.tensors, -1)))
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tensors whose selection is one ``topk`` along the rows of a ``(tensors, length)`` view: ``length``
+    values each, from ``first`` on, ``k`` chosen each, written from ``out`` on; ``offsets``: a
+    ``(tensors, 1)`` constant added to the chosen rows (the first row of each tensor in the flat buffer)."""
+
+    first: int
+    tensors: int
+    length: int
+    k: int
+    out: int
+    offsets: Optional[Tensor] = None
 
 
 @dataclass
@@ -333,44 +359,93 @@ class _SegmentedPlan:
     """The constants of :func:`segmented_topk` for one layout and set of ``k``."""
 
     pruned: list[int]  # tensors whose rows are chosen by their peaks
-    kept_starts: list[int]  # where each tensor's kept rows begin among all kept rows
-    kept_counts: list[int]
-    chosen_starts: list[int]
-    template: Tensor  # kept rows, local to their tensor (all rows of the tensors not pruned)
-    row_offsets: Tensor  # per kept row: the first row of its tensor
+    unpruned: list[int]
+    row_groups: list[_Group]  # the choice of rows by their peaks
+    peak_index: Optional[Tensor]  # the rows whose peaks the row groups read, gathered (None: the peaks as they are)
+    chosen_groups: list[_Group]  # the choice among the candidates
+    template: Tensor  # the kept rows in flat (all rows of the tensors not pruned), group after group
     candidate_offsets: Tensor  # per chosen element: where its tensor's candidates begin
+    order: Optional[Tensor]  # the chosen elements of the groups, tensor after tensor (None: already)
     columns: Tensor  # 0 .. block-1
     block: Tensor  # the block size, as a one-element int64 tensor
     ends: Tensor  # per kept row: where its tensor ends in the flat buffer
 
 
+def _runs(tensors: Sequence[int], key) -> list[list[int]]:
+    """``tensors`` cut into runs of consecutive items of equal ``key``."""
+    runs: list[list[int]] = []
+    for tensor in tensors:
+        if runs and key(runs[-1][-1]) == key(tensor):
+            runs[-1].append(tensor)
+        else:
+            runs.append([tensor])
+    return runs
+
+
 def _segmented_plan(segments: Segments, ks: tuple[int, ...], device: torch.device) -> _SegmentedPlan:
     def build(device: torch.device) -> _SegmentedPlan:
         block = CONTIGUOUS_BLOCK
-        pruned, kept_starts, kept_counts, chosen_starts = [], [], [], []
-        template, row_offsets, candidate_offsets, numels = [], [], [], []
-        kept_total = chosen_total = 0
+        count = len(segments)
+        rows = [segments.rows_of(index) for index in range(count)]
+        first_row = [start // block for start in segments.starts]
+        pruned = [index for index in range(count) if ks[index] * block <= segments.numels[index] // 4]
+        is_pruned = set(pruned)
+        unpruned = [index for index in range(count) if index not in is_pruned]
         # offsets added to int64 positions: int32 while they fit (half the memory kept per layout)
         offset = index_dtype(segments.total + block * sum(ks))
-        for index, (numel, k) in enumerate(zip(segments.numels, ks)):
-            rows = segments.rows_of(index)
-            prune = k * block <= numel // 4
-            count = k if prune else rows
-            if prune:
-                pruned.append(index)
-            kept_starts.append(kept_total)
-            kept_counts.append(count)
-            chosen_starts.append(chosen_total)
-            template.append(torch.zeros(count, dtype=torch.int64) if prune else torch.arange(rows))
-            row_offsets.append(torch.full((count,), segments.starts[index] // block, dtype=offset))
-            numels.append(torch.full((count,), segments.starts[index] + numel, dtype=offset))
-            candidate_offsets.append(torch.full((k,), kept_total * block, dtype=offset))
-            kept_total += count
-            chosen_total += k
-        plan = _SegmentedPlan(pruned, kept_starts, kept_counts, chosen_starts,
-                              to_device(torch.cat(template), device), to_device(torch.cat(row_offsets), device),
-                              to_device(torch.cat(candidate_offsets), device), torch.arange(block, device=device),
+        if not pruned:  # candidates: every row, in place; one topk per run of tensors of one size and k
+            chosen_groups, out = [], 0
+            for run in _runs(range(count), lambda index: (rows[index], ks[index])):
+                chosen_groups.append(_Group(segments.starts[run[0]], len(run), rows[run[0]] * block, ks[run[0]], out))
+                out += len(run) * ks[run[0]]
+            candidate_offsets = torch.cat([torch.full((ks[index],), segments.starts[index], dtype=offset)
+                                           for index in range(count)])
+            return _SegmentedPlan(pruned, unpruned, [], None, chosen_groups, torch.empty(0, dtype=torch.int64),
+                                  to_device(candidate_offsets, device), None, torch.empty(0), torch.empty(0),
+                                  torch.empty(0))
+        kept_count = [ks[index] if index in is_pruned else rows[index] for index in range(count)]
+        # the candidates group after group: tensors of as many candidates and one k side by side, and among
+        # them the pruned ones of one row count together (their rows chosen by one topk)
+        layout = sorted(range(count), key=lambda index: (kept_count[index], ks[index], index not in is_pruned,
+                                                         rows[index], index))
+        kept_start, kept_total = {}, 0
+        for index in layout:
+            kept_start[index] = kept_total
+            kept_total += kept_count[index]
+        row_runs = _runs([index for index in layout if index in is_pruned], lambda index: (rows[index], ks[index]))
+        gathered = not all(later == earlier + 1 for run in row_runs for earlier, later in zip(run, run[1:]))
+        row_groups, peak_index, read = [], None, 0
+        for run in row_runs:
+            row_offsets = torch.tensor([first_row[index] for index in run], dtype=offset).view(-1, 1)
+            row_groups.append(_Group(read if gathered else first_row[run[0]], len(run), rows[run[0]], ks[run[0]],
+                                     kept_start[run[0]], to_device(row_offsets, device)))
+            read += len(run) * rows[run[0]]
+        if gathered:
+            peak_index = to_device(torch.cat([torch.arange(first_row[index], first_row[index] + rows[index],
+                                                           dtype=index_dtype(segments.rows))
+                                              for run in row_runs for index in run]), device)
+        chosen_groups, out, chosen_order = [], 0, []
+        for run in _runs(layout, lambda index: (kept_count[index], ks[index])):
+            chosen_groups.append(_Group(kept_start[run[0]] * block, len(run), kept_count[run[0]] * block,
+                                        ks[run[0]], out))
+            out += len(run) * ks[run[0]]
+            chosen_order += run
+        template = torch.cat([torch.zeros(kept_count[index], dtype=torch.int64) if index in is_pruned
+                              else torch.arange(first_row[index], first_row[index] + rows[index])
+                              for index in layout])
+        candidate_offsets = torch.cat([torch.full((ks[index],), kept_start[index] * block, dtype=offset)
+                                       for index in layout])
+        ends = torch.cat([torch.full((kept_count[index],), segments.starts[index] + segments.numels[index],
+                                     dtype=offset) for index in layout])
+        order = None
+        if chosen_order != list(range(count)):  # where each tensor's chosen elements lie among the groups'
+            where, position = [None] * count, 0
+            for index in chosen_order:
+                where[index] = torch.arange(position, position + ks[index], dtype=torch.int32)
+                position += ks[index]
+            order = to_device(torch.cat(where), device)
+        return _SegmentedPlan(pruned, unpruned, row_groups, peak_index, chosen_groups, to_device(template, device),
+                              to_device(candidate_offsets, device), order, torch.arange(block, device=device),
                               torch.full((1,), block, dtype=torch.int64, device=device),
-                              to_device(torch.cat(numels).view(-1, 1), device))
-        return plan  # type: ignore[return-value]
+                              to_device(ends.view(-1, 1), device))
     return segments.constant(("topk-plan", ks), device, build)  # type: ignore[arg-type]

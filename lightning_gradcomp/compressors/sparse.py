@@ -7,6 +7,8 @@ tensor of 2**31 elements or more is refused by the hook), so an fp32 gradient at
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, Literal, Optional, Sequence
 
 import torch
@@ -23,12 +25,13 @@ from lightning_gradcomp.compressors.base import (
 from lightning_gradcomp.compressors.selection import (
     CONTIGUOUS_BLOCK,
     check_selection,
+    peak_magnitudes,
     segmented_topk,
     select_threshold,
     select_topk,
 )
 from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
-from lightning_gradcomp.core.protocol import Gather, Round, SegmentsOutcome, SegmentsProtocol, stacked
+from lightning_gradcomp.core.protocol import Gather, Mean, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
 from lightning_gradcomp.core.tensors import index_sum_
 
@@ -169,6 +172,9 @@ class RandomK(HasDensity, _ValuesAndIndices):
 
     Indices are drawn on the CPU (O(k log k), no host synchronisation of the device) and copied to the
     device without blocking: identical on every worker whatever its GPU model, and equal to a CPU run's.
+    On accelerators a whole bucket is exchanged at once (:meth:`exchange_segments`): each tensor's indices
+    drawn as above from its own generator (the same draws), one copy of all of them to the device, one
+    gather, one all-reduce (or all-gather) and one scatter-add for the bucket.
     """
 
     name = "randomk"
@@ -207,6 +213,37 @@ class RandomK(HasDensity, _ValuesAndIndices):
             return super().accumulate(payload, out, alpha)
         out.index_add_(0, payload.meta, payload.parts[0].to(out.dtype), alpha=alpha)
 
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """The bucket's flat buffer as it is on accelerators (:meth:`exchange_segments`); per tensor on the
+        CPU."""
+        return self._whole_flat_buffer_on_accelerators(device, RandomK)
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Every tensor's indices drawn on the CPU from its own generator, as :meth:`compress` draws them
+        (:func:`sample_many_without_replacement`), copied to the device at once; one gather of the values;
+        shared indices: one ``Mean`` and one scatter-add (the same sums as per tensor: the indices are
+        distinct), else the gathered format of Top-k (:func:`sparse_segments_protocol`)."""
+        counts = [sparse_count(self.density, numel) for numel in segments.numels]
+        draws = shared_draw_generator_device()
+        local = sample_many_without_replacement(
+            segments.numels, counts, [ctx.generator(draws, per_rank=not self.shared_indices) for ctx in contexts])
+        positions = to_device(local, flat.device).add_(_slot_starts(segments, tuple(counts), flat.device))
+        wire = contexts[0].wire_dtype(flat)
+        if not self.shared_indices:
+            return (yield from sparse_segments_protocol(flat, positions, segments, counts, wire))
+        sent = flat[positions].to(wire)
+        (mean,) = yield Round([Mean(sent)], last=True)
+
+        def write(out: Tensor) -> None:  # out holds the verdict flag (adds): NaN results for a void bucket
+            out.index_add_(0, positions, mean.to(out.dtype))
+
+        def subtract(residual: Tensor) -> None:
+            residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
+
+        return SegmentsOutcome(counts, subtract, write, adds=True)
+
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
     """``k`` distinct indices drawn uniformly from ``range(n)``, on the generator's device (the CPU: the
@@ -219,13 +256,54 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
     device = generator.device
     if k * 8 > n:
         return torch.randperm(n, generator=generator, device=device)[:k]
+    distinct = _distinct_draws(n, k, generator)
+    keep = torch.randperm(distinct.numel(), generator=generator, device=device)[:k]
+    return distinct[keep]
+
+
+def _distinct_draws(n: int, k: int, generator: torch.Generator) -> Tensor:
+    """At least ``k`` distinct indices of ``range(n)``, sorted: a few more than ``k`` draws with replacement
+    without their repeats (twice as many draws while fewer than ``k`` are distinct)."""
+    device = generator.device
     draws = k + max(16, k // 8)
     while True:
         distinct = torch.unique(torch.randint(0, n, (draws,), generator=generator, device=device))
         if distinct.numel() >= k:
-            keep = torch.randperm(distinct.numel(), generator=generator, device=device)[:k]
-            return distinct[keep]
+            return distinct
         draws *= 2
+
+
+#: ``0 .. n-1`` on the CPU, grown as needed: the first ``k`` places of a permutation (no op per use)
+_FIRST: list[Tensor] = [torch.arange(0)]
+
+
+def _first(k: int) -> Tensor:
+    if _FIRST[0].numel() < k:
+        _FIRST[0] = torch.arange(max(k, 2 * _FIRST[0].numel()))
+    return _FIRST[0][:k]
+
+
+def sample_many_without_replacement(numels: Sequence[int], ks: Sequence[int],
+                                    generators: Sequence[torch.Generator]) -> Tensor:
+    """:func:`sample_without_replacement` of several tensors (``numels[t]``, ``ks[t]``, ``generators[t]``), the
+    same draws from the same generators, joined (``ks[t]`` indices each, tensor after tensor; CPU generators):
+    per tensor its draws (``randint``, ``unique``, ``randperm``; one ``randperm`` where ``k > n/8``), and for
+    all of them one join and one gather instead of a gather per tensor."""
+    if len(numels) == 1:
+        return sample_without_replacement(numels[0], ks[0], generators[0])
+    pools, picks, starts, start = [], [], [], 0
+    for n, k, generator in zip(numels, ks, generators):
+        if k * 8 > n:  # a permutation of every index: its first k
+            pool, pick = torch.randperm(n, generator=generator, device=generator.device), _first(k)
+        else:  # distinct draws: a random k of them
+            pool = _distinct_draws(n, k, generator)
+            pick = torch.randperm(pool.numel(), generator=generator, device=generator.device)[:k]
+        pools.append(pool)
+        picks.append(pick)
+        starts.append(start)
+        start += pool.numel()
+    shift = torch.repeat_interleave(torch.tensor(starts), torch.tensor(list(ks)), output_size=sum(ks))
+    return torch.cat(pools)[torch.cat(picks).add_(shift)]
 
 
 class HardThreshold(_ValuesAndIndices):
@@ -264,6 +342,56 @@ class HardThreshold(_ValuesAndIndices):
         return None
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        """The coordinates at or above the threshold
+        (:func:`~lightning_gradcomp.compressors.selection.select_threshold`: where the host may not read device
+        values, two reads of a data-dependent size per tensor, the blocks that hold a selected element and then
+        the elements; the bucket-wise path, :meth:`exchange_segments`, reads one count per bucket)."""
         chosen = select_threshold(tensor, self.threshold)
         ctx.finite = chosen.finite
         return self._payload(tensor, chosen.indices, ctx)
+
+    # ------------------------------------------------------------------ a whole bucket at once
+    def segment_alignment(self, device: torch.device) -> Optional[int]:
+        """Rows of 64 on accelerators (their peaks say whether each tensor is finite, as per tensor), where the
+        per-tensor selection would read two sizes per tensor on the host; per tensor on the CPU, where reading a
+        size is free and the blocks prune the work."""
+        if not self._per_tensor_path_is(HardThreshold) or host_reads_allowed(device):
+            return None
+        return CONTIGUOUS_BLOCK
+
+    def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                          state: SegmentsState) -> SegmentsProtocol:
+        """Every tensor's coordinates at or above the threshold, with **one host read per bucket**: the
+        counts per tensor (one small copy of ``P`` numbers to the host, a synchronisation on a GPU), then the
+        positions by ``nonzero_static`` of the known total (no second read). One gather of the values and of
+        their positions in the bucket (int32) with one count per worker in the engine's header; every
+        worker's scatter-added with weight ``1/N`` in one operation. The same coordinates, sums, residuals
+        and counts as :meth:`compress` per tensor (the payload names positions in the bucket, not in the
+        tensor: the same number of bytes, one header count per bucket instead of one per tensor)."""
+        device = flat.device
+        grid = flat.view(-1, CONTIGUOUS_BLOCK)
+        # a peak is NaN or infinite exactly when an element of its row is; NaN < inf is false too
+        finite = torch.segment_reduce(peak_magnitudes(grid, 1), "max", lengths=segments.row_lengths(device),
+                                      unsafe=True).lt(math.inf)
+        for ctx, flag in zip(contexts, finite.unbind()):
+            ctx.finite = flag
+        magnitude = flat.abs()
+        segments.fill_gaps(magnitude, -1.0)  # a gap's zeros are never sent, even at threshold 0
+        mask = magnitude >= self.threshold  # NaN is not (as per tensor)
+        per_row = mask.view(segments.rows, -1).sum(1, dtype=torch.float64)  # exact: at most 64 per row
+        per_tensor = torch.segment_reduce(per_row, "sum", lengths=segments.row_lengths(device), unsafe=True)
+        counts = [int(count) for count in per_tensor.tolist()]  # the bucket's one host read
+        positions = torch.nonzero_static(mask, size=sum(counts)).view(-1)
+        sent = flat[positions].to(contexts[0].wire_dtype(flat))
+        request = Gather((sent, positions.to(torch.int32)), sum(counts), partial(self.payload_numels, segments.total))
+        (rows,) = yield Round([request], last=True)
+
+        def write(out: Tensor) -> None:  # out holds the verdict flag (adds): NaN results for a void bucket
+            values = torch.cat([row.parts[0] for row in rows]).to(out.dtype)
+            indices = torch.cat([row.parts[1] for row in rows])
+            index_sum_(out, indices, values, alpha=1.0 / len(rows))
+
+        def subtract(residual: Tensor) -> None:
+            residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
+
+        return SegmentsOutcome(counts, subtract, write, adds=True)

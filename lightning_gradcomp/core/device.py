@@ -8,8 +8,9 @@ and the engine therefore choose between two code paths:
 * where :func:`host_reads_allowed` (on CPU, where a read costs nothing), finiteness flags are Python
   bools and data-dependent sizes prune work;
 * everywhere else, flags stay 0-d device tensors and every size is fixed before the data is seen.
-  Compressors whose payload size depends on the data (the hard threshold) still read one count per
-  bucket; all others issue no host synchronisation at all.
+  Compressors whose payload size depends on the data (the hard threshold) still read their counts
+  (the bucket's counts once, then every worker's from the engine's header); all others issue no host
+  synchronisation at all.
 
 :func:`accelerator_path` makes CPU tensors take the accelerator path, so that tests on a machine
 without a GPU check that path (for instance with a ``TorchDispatchMode`` that fails on
@@ -18,8 +19,9 @@ without a GPU check that path (for instance with a ``TorchDispatchMode`` that fa
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -89,3 +91,74 @@ def device_constant(key: Hashable, device: torch.device, build: Callable[[], Any
             to_device(built, device)
         _CONSTANTS[slot] = value
     return value
+
+
+@contextmanager
+def on_stream(stream: "Optional[torch.cuda.Stream]") -> Iterator[None]:
+    """Make ``stream`` current (nothing for ``None``), with its device made current first.
+
+    On a thread whose current device is another one (a new thread's is 0: the exchange thread, gloo's
+    callback threads), ``torch.cuda.stream`` alone would switch to the stream's device and back to
+    device 0 on leaving, which creates a CUDA context on device 0 in every process. ``torch.cuda.device``
+    restores the previous device only where that device already has a context."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
+
+
+_matmul_lock = threading.Lock()
+_matmul_depth = 0
+_matmul_saved: Any = None
+
+
+@contextmanager
+def full_precision_matmuls() -> Iterator[None]:
+    """fp32 matrix products inside, whatever ``torch.set_float32_matmul_precision`` says (``"high"``: TF32 on
+    CUDA, which Lightning suggests on recent GPUs; ``"medium"``: bf16 on the CPU's oneDNN).
+
+    PowerSGD's Gram–Schmidt and DeMo's DCT round trip need the fp32 products: TF32 keeps 10 bits of mantissa,
+    so ``P̂`` is no longer orthonormal and ``IDCT(DCT(x)) ≠ x``, and error feedback then carries the
+    difference. PyTorch's setting is process-wide, not per thread, so it is changed for the span of the
+    products only (a few kernel launches) and restored when the last user leaves; a product another thread
+    launches meanwhile runs in fp32 too (slower, not less accurate)."""
+    global _matmul_depth, _matmul_saved
+    with _matmul_lock:
+        if _matmul_depth == 0:
+            _matmul_saved = _read_matmul_precision()
+            _write_matmul_precision(None)
+        _matmul_depth += 1
+    try:
+        yield
+    finally:
+        with _matmul_lock:
+            _matmul_depth -= 1
+            if _matmul_depth == 0:
+                _write_matmul_precision(_matmul_saved)
+
+
+def _matmul_backends() -> list[Any]:
+    return [backend for backend in (getattr(torch.backends, "cuda", None), getattr(torch.backends, "mkldnn", None))
+            if backend is not None and hasattr(getattr(backend, "matmul", None), "fp32_precision")]
+
+
+def _read_matmul_precision() -> tuple[str, Any]:
+    """The matmul precision as the user set it: through the legacy call where it answers, else per backend
+    (PyTorch refuses the legacy read once its newer per-backend settings were used)."""
+    try:
+        return "legacy", torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return "backends", [backend.matmul.fp32_precision for backend in _matmul_backends()]
+
+
+def _write_matmul_precision(saved: Optional[tuple[str, Any]]) -> None:
+    """Restore ``saved`` (:func:`_read_matmul_precision`), or with ``None`` make every product fp32 through the
+    same API the user's setting was read with."""
+    kind, value = saved if saved is not None else (_matmul_saved[0], None)
+    if kind == "legacy":
+        torch.set_float32_matmul_precision(value if value is not None else "highest")
+        return
+    for backend, precision in zip(_matmul_backends(), value if value is not None else
+                                  ["ieee"] * len(_matmul_backends())):
+        backend.matmul.fp32_precision = precision

@@ -63,15 +63,19 @@ def flag_vector(flags: Sequence[Tensor]) -> Tensor:
     return torch.stack([flag.reshape(()) for flag in flags])
 
 
-def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite) -> Optional[Tensor]:
+def keep_if_finite(new: Tensor, previous: Optional[Tensor], finite: Finite, in_place: bool = False
+                   ) -> Optional[Tensor]:
     """``new`` if ``finite``, else ``previous`` (``None``: nothing yet): state is never replaced by the
-    result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync)."""
+    result of a non-finite gradient. With a tensor flag, an element-wise select (no host sync): one pass
+    that reads both and writes the result, whatever the flag says (on a GPU the flag is not known on the
+    host; for a bucket's residual, 12 bytes per fp32 element). ``in_place``: the select writes into ``new``
+    (which the caller gives up), not into a tensor of its own: the same values, one buffer fewer."""
     if finite is True:
         return new
     if finite is False:
         return previous
     fallback = previous if previous is not None and previous.shape == new.shape else torch.zeros_like(new)
-    return torch.where(finite, new, fallback)
+    return torch.where(finite, new, fallback, out=new) if in_place else torch.where(finite, new, fallback)
 
 
 def both_finite(first: Finite, second: Finite) -> Finite:

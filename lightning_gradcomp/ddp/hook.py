@@ -10,6 +10,7 @@ holds the configuration and the accounting; the protocol is the engine's, the co
 """
 
 import atexit
+import gc
 import logging
 import threading
 import weakref
@@ -29,7 +30,14 @@ from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
 from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
-from lightning_gradcomp.exchange.thread import ExchangeStreams, ExchangeThread, exchange_group, group_timeout
+from lightning_gradcomp.exchange.thread import (
+    check_concurrent_communicators,
+    concurrent_communicators_allowed,
+    exchange_group,
+    ExchangeStreams,
+    ExchangeThread,
+    group_timeout,
+)
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 
@@ -50,7 +58,9 @@ class GradCompHookState:
             compression and every round of communication overlap the rest of backward; ``False`` runs
             them in the hook (the last round's decoding in a future's callback); ``None`` (default): the
             thread for CUDA buckets, the hook for CPU ones (on a CPU the thread competes with backward
-            for the same cores; see docs/benchmarks.md). The thread's collectives use a process group of
+            for the same cores; see docs/benchmarks.md), and the hook on NCCL with
+            ``CUDA_DEVICE_MAX_CONNECTIONS=1``, where ``True`` is refused (the ordering rule of
+            :mod:`lightning_gradcomp.exchange.thread`). The thread's collectives use a process group of
             their own, created here (every rank of ``group`` must construct its state at the same point).
         device: the gradients' device, where known, to decide ``exchange_thread=None`` now (default:
             CUDA when available).
@@ -98,8 +108,8 @@ class GradCompHookState:
         self.streams = ExchangeStreams()
         self.thread: Optional[ExchangeThread] = None
         self._thread_driver: Optional[TorchDriver] = None
-        if self._may_use_thread(device):
-            self._thread_driver = TorchDriver(exchange_group(group))
+        if self._may_use_thread(device, group):
+            self._thread_driver = TorchDriver(exchange_group(group, device))
         _LIVE_STATES.add(self)
         _register_exit_cleanup()
         self.step = 0
@@ -360,7 +370,15 @@ class GradCompHookState:
         self.hook_calls += 1
         if last:
             self.step += 1
-        return self.thread.submit(protocol, device, self._account)
+        outs = [entry.out for entry in entries if entry.out is not None]
+
+        def finish(report: BucketReport) -> list[torch.Tensor]:
+            self._account(report)
+            return outs  # on CUDA, waiting on the future makes the waiter's stream wait for them
+
+        # the inputs and outputs were allocated on the caller's stream: recorded on the exchange stream
+        handed = [entry.grad for entry in entries] + outs
+        return self.thread.submit(protocol, device, finish, handed)
 
     def entries(self, bucket: dist.GradBucket) -> list[Entry]:
         """The bucket's parameters: each gradient's view, which also receives its aggregate."""
@@ -376,7 +394,14 @@ class GradCompHookState:
             self.step += 1
         return protocol
 
-    def _may_use_thread(self, device: Optional[torch.device]) -> bool:
+    def _may_use_thread(self, device: Optional[torch.device], group: Optional[dist.ProcessGroup]) -> bool:
+        backend = dist.get_backend(group)
+        if self.exchange_thread:
+            check_concurrent_communicators(backend)
+            return True
+        if self.exchange_thread is None and not concurrent_communicators_allowed(backend):
+            self.exchange_thread = False  # NCCL with one hardware queue: the exchange runs in the hook
+            logger.info("gradcomp: CUDA_DEVICE_MAX_CONNECTIONS=1 on NCCL: buckets are exchanged in the hook")
         if self.exchange_thread is not None:
             return self.exchange_thread
         return device.type == "cuda" if device is not None else torch.cuda.is_available()
@@ -421,6 +446,10 @@ def _cleanup_at_exit() -> None:
     """
     for state in list(_LIVE_STATES):
         state.close()
+    # A DDP model the script dropped often survives in a reference cycle (its hooks refer to it) until the
+    # interpreter's own teardown, where its reducer and process group are destroyed in no safe order (the
+    # same abort). Collected here, while the interpreter is whole.
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -28,7 +28,7 @@ synchronisation per collective, which this package does not do.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gradcomp.core.device import on_stream
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Collective, CollectiveRound
 
 
@@ -52,14 +53,17 @@ class _ByteCounter:
         self.bytes_sent = 0
         self.scope = scope
         self._log: list[tuple[str, int]] = []
+        self._lock = threading.Lock()  # the exchange thread counts while the training thread takes the log
 
     def count(self, collective: Collective) -> None:
-        self.bytes_sent += collective.nbytes
-        self._log.append((f"{self.scope}:{collective.kind}" if self.scope else collective.kind, collective.nbytes))
+        with self._lock:
+            self.bytes_sent += collective.nbytes
+            self._log.append((f"{self.scope}:{collective.kind}" if self.scope else collective.kind, collective.nbytes))
 
     def take_log(self) -> list[tuple[str, int]]:
         """``(kind, input bytes)`` of every collective handed over since the last call."""
-        log, self._log = self._log, []
+        with self._lock:
+            log, self._log = self._log, []
         return log
 
 
@@ -69,6 +73,8 @@ class TorchDriver(_ByteCounter):
     def __init__(self, group: Optional[dist.ProcessGroup] = None, scope: str = "") -> None:
         super().__init__(scope)
         self.group = group
+        #: whether ``Work.wait()`` is called after the future (NCCL and other device backends; not gloo)
+        self._releases_on_wait = _backend(group) not in ("gloo", "")
 
     @property
     def world_size(self) -> int:
@@ -87,18 +93,21 @@ class TorchDriver(_ByteCounter):
         ``stream`` too (a callback's own stream is whatever the completing thread had); the future is
         made for the device, so that waiting on it makes the waiting stream wait for the decoding
         (``finish`` should then return the tensor the waiter reads)."""
+        result: Future = Future(devices=[device]) if device is not None and device.type == "cuda" else Future()
         turn = self._to_final_round(protocol)
         if not isinstance(turn, CollectiveRound):
-            return _completed(finish(turn))
+            # no round (nothing to send): completed here, on the caller's stream (``stream``), as a device
+            # future, so that the waiter's stream waits for the decoding all the same
+            result.set_result(finish(turn))
+            return result
         issued = [self._issue(collective) for collective in turn.collectives]
-        result: Future = Future(devices=[device]) if device is not None and device.type == "cuda" else Future()
 
         def decode(_: Any) -> None:
-            # Waiting on each child future raises its error (a dead peer on gloo) instead of decoding
+            # Waiting on each collective raises its error (a dead peer on gloo) instead of decoding
             # garbage, and, on CUDA, makes the current stream wait for the collective (collect_all
             # carries no stream events).
             try:
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                with on_stream(stream):
                     result.set_result(finish(_decode(protocol, [self._wait(*item) for item in issued])))
             except BaseException as error:  # noqa: BLE001 - every error must reach the waiter
                 result.set_exception(error)
@@ -106,7 +115,7 @@ class TorchDriver(_ByteCounter):
         if not issued:
             decode(None)
         else:
-            torch.futures.collect_all([future for future, _, _ in issued]).then(decode)
+            torch.futures.collect_all([future for future, _, _, _ in issued]).then(decode)
         return result
 
     def drive(self, protocol: BucketProtocol) -> BucketReport:
@@ -134,23 +143,35 @@ class TorchDriver(_ByteCounter):
         collective = Collective("all_reduce", tensor)
         self._wait(*self._issue(collective))
 
-    def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective]:
+    def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective, Optional[dist.Work]]:
+        """Issue ``collective``: its future, where its result lands, the collective, and (NCCL only: see
+        :meth:`_wait`) its work handle."""
         self.count(collective)
         tensor = collective.tensor
         if collective.kind == "all_reduce":
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
-            return work.get_future(), tensor, collective
-        if collective.kind == "all_to_all":
+            result = tensor
+        elif collective.kind == "all_to_all":
             output = torch.empty_like(tensor)
             work = dist.all_to_all_single(output, tensor, group=self.group, async_op=True)
-            return work.get_future(), output.view(self.world_size, -1), collective
-        output = tensor.new_empty(self.world_size * tensor.numel())
-        work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
-        return work.get_future(), output.view(self.world_size, -1), collective
+            result = output.view(self.world_size, -1)
+        else:
+            output = tensor.new_empty(self.world_size * tensor.numel())
+            work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
+            result = output.view(self.world_size, -1)
+        return work.get_future(), result, collective, work if self._releases_on_wait else None
 
-    def _wait(self, future: Future, result: Tensor, collective: Collective) -> Tensor:
+    def _wait(self, future: Future, result: Tensor, collective: Collective, work: Optional[dist.Work]) -> Tensor:
+        """The collective's result, once it is done: on gloo the host waits (and a failure raises); on CUDA
+        the current stream waits for the collective's. On NCCL ``work.wait()`` also lets the process group
+        drop the tensors it keeps for the collective (else held until its watchdog finds the work completed).
+        On gloo only the future is kept and waited for: ``work.wait()`` inside the future's callback, on the
+        thread that completes the work, would wait for itself, and a work handle still referenced when the
+        interpreter exits can abort it."""
         try:
             future.wait()
+            if work is not None:
+                work.wait()
         except Exception as error:
             raise CollectiveError(
                 f"gradcomp: {collective.kind} of {collective.nbytes} bytes failed on rank {self.rank} of "
@@ -261,10 +282,12 @@ def _decode(protocol: BucketProtocol, results: list[Tensor]) -> BucketReport:
     raise RuntimeError("gradcomp: the exchange went on after its final round")
 
 
-def _completed(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+def _backend(group: Optional[dist.ProcessGroup]) -> str:
+    """``group``'s backend in lower case; ``""`` where none is known (no process group, not a member)."""
+    try:
+        return str(dist.get_backend(group)).lower() if dist.is_initialized() else ""
+    except (ValueError, RuntimeError):
+        return ""
 
 
 def _all_gather_single():

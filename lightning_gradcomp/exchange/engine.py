@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor
-from lightning_gradcomp.core.device import host_reads_allowed
+from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round, stack_views
 from lightning_gradcomp.core.segments import Segments
 from lightning_gradcomp.core.tensors import all_finite_many, Finite, flag_vector
@@ -125,7 +125,13 @@ class ExchangeEngine:
         self.decompress_clock = Stopwatch()
 
     def bucket(self, entries: Sequence[Entry], step: int, rank: int, world_size: int) -> BucketProtocol:
-        """The exchange of one bucket (a generator run by a driver).
+        """The exchange of one bucket (a generator run by a driver): :meth:`_bucket`, each stretch between two
+        rounds run with autocast off (:func:`without_autocast`)."""
+        device = entries[0].grad.device if entries else torch.device("cpu")
+        return without_autocast(self._bucket(entries, step, rank, world_size), device.type)
+
+    def _bucket(self, entries: Sequence[Entry], step: int, rank: int, world_size: int) -> BucketProtocol:
+        """The exchange of one bucket.
 
         1. Every tensor's protocol runs to its first round (compression); this worker's finiteness of
            the bucket is then known (:class:`BucketVerdict`).
@@ -248,6 +254,26 @@ class ExchangeEngine:
 
     def _clock(self, clock: Stopwatch, device: torch.device):
         return clock.measure(device) if self.pipeline.telemetry or self.timed else nullcontext()
+
+
+def without_autocast(protocol: BucketProtocol, device_type: str) -> BucketProtocol:
+    """``protocol``, each of its steps run with ``torch.autocast`` off for ``device_type``.
+
+    A user's ``torch.autocast`` around ``backward()`` reaches the DDP hook on the autograd thread (autocast
+    state is thread-local and autograd carries it there), and would run the exchange's matrix products and
+    reductions in bf16 or fp16: PowerSGD's and DeMo's state and error feedback are fp32 by design, and the
+    exchange thread, which carries no autocast state, would compute otherwise than the hook. Each step is
+    wrapped separately: a ``with`` block held across a ``yield`` would leak its state into the driver."""
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cuda", "cpu"))
+    autocast = available(device_type)
+    results = None
+    while True:
+        with torch.autocast(device_type, enabled=False) if autocast else nullcontext():
+            try:
+                turn = protocol.send(results)
+            except StopIteration as stop:
+                return stop.value
+        results = yield turn
 
 
 def _advance(protocols: list[Generator[Round, list, int]], results: dict[int, Optional[list]], sent: list[int],
@@ -397,7 +423,8 @@ class _MergedRound:
 
     def header(self) -> Tensor:
         """This worker's data-dependent counts (int32, one per dynamic request)."""
-        return torch.tensor([request.count for request in self.dynamic], dtype=torch.int32, device=self.device)
+        counts = torch.tensor([request.count for request in self.dynamic], dtype=torch.int32)
+        return to_device(counts, self.device)  # through pinned memory: a pageable copy would wait for the stream
 
     def read_header(self, counts: Tensor) -> None:
         """Every worker's part sizes, from the gathered counts (``(N, len(dynamic))``)."""

@@ -81,7 +81,7 @@ class CompressionMemory:
             return None
         subtract(corrected)
         previous = self.residuals.get(name)
-        residual = keep_if_finite(corrected, previous, finite)
+        residual = keep_if_finite(corrected, previous, finite, in_place=True)
         self.residuals[name] = residual
         if residual is corrected and previous is not None:
             self._keep_spare(name, previous)
@@ -116,7 +116,7 @@ class CompressionMemory:
             segments.zero_gaps(corrected)
         key = ("residual", segments.key)
         previous = self._flat(self.residuals, key, segments, corrected.dtype, corrected.device)
-        residual = keep_if_finite(corrected, previous, finite)
+        residual = keep_if_finite(corrected, previous, finite, in_place=True)
         self._adopt(self.residuals, key, segments, residual)
         if residual is corrected and previous is not None:
             self._keep_bucket_spare(segments, previous)
@@ -205,9 +205,11 @@ class CompressionMemory:
         self._spares.clear()
         self._flats.clear()
         self._bucket_spares.clear()
-        self.residuals = {name: r.to(device) for name, r in state.get("residuals", {}).items()}
+        # copies even on the same device: buffers of the memory are reused in place (the spares of p, a
+        # residual selected into p's storage), which must not write into the caller's state dict
+        self.residuals = {name: r.to(device, copy=True) for name, r in state.get("residuals", {}).items()}
         self.states = {
-            name: {k: v.to(device) for k, v in s.items()} for name, s in state.get("states", {}).items()
+            name: {k: v.to(device, copy=True) for k, v in s.items()} for name, s in state.get("states", {}).items()
         }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import warnings
 from collections import deque
 from typing import Any, Generator, Optional, Sequence
@@ -170,8 +171,12 @@ class WorkerPipeline:
         for view, ctx in zip(views, contexts):
             if view.numel() > MAX_NUMEL:
                 raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
+        reads_flat_only = getattr(type(self.compressor), "_reads_flat_only", False)
+        borrowed = None if self.error_feedback else _input_as_flat(self.compressor, segments, views)
         if self.error_feedback:
             flat = self.memory.compensate_bucket(segments, views)
+        elif borrowed is not None:  # the gradient itself, read only: no copy of it
+            flat = borrowed
         else:
             flat = segments.gather(views, state_dtype(views[0].dtype))
         if not self.compressor.checks_finite:
@@ -197,7 +202,8 @@ class WorkerPipeline:
             self.recorder.add_many(segments.names, error_sq, input_sq, tuple(outcome.counts), segments.numels,
                                    verdict)
         written = [(out, index) for index, out in enumerate(outs) if out is not None]
-        direct = _whole_layout(outs, segments, flat)
+        # a write that sets every element may go into the gradient it read (the flat input, dead by now)
+        direct = _whole_layout(outs, segments, flat, borrowed is not None and outcome.overwrites)
         # a write that adds into its buffer gets it filled with the verdict flag: NaN results for a void bucket
         fill = take_verdict(contexts) if outcome.adds and not outcome.overwrites else None
         if direct is not None:  # the result straight into the gradient: no buffer, no copy
@@ -209,6 +215,8 @@ class WorkerPipeline:
         elif written:
             if fill is not None:
                 result = fill.to(flat.dtype).expand(segments.total).clone(memory_format=torch.contiguous_format)
+            elif outcome.overwrites and reads_flat_only and not self.error_feedback and borrowed is None:
+                result = flat  # the gathered input, dead by now (not memory): no buffer of its own
             else:  # a write that sets every element needs no zeros first (nor a pass to write them)
                 make = torch.empty if outcome.overwrites else torch.zeros
                 result = make(segments.total, dtype=flat.dtype, device=flat.device)
@@ -293,18 +301,32 @@ class _FlatState(SegmentsState):
         return torch.stack([torch.as_tensor(flag, device=self.device).reshape(()) for flag in flags])
 
 
-def _whole_layout(outs: Sequence[Optional[Tensor]], segments: Segments, flat: Tensor) -> Optional[Tensor]:
+def _whole_layout(outs: Sequence[Optional[Tensor]], segments: Segments, flat: Tensor, may_alias: bool = False
+                  ) -> Optional[Tensor]:
     """The one destination of a bucket's compressed tensors when it can hold the whole layout as it is (a
     lone tensor, as a large layer fills one of DDP's buckets: contiguous, of the flat buffer's dtype and
-    size, no gap, not sharing memory with it), flat; else ``None``."""
+    size, no gap, not sharing memory with it unless ``may_alias``), flat; else ``None``."""
     if len(outs) != 1 or outs[0] is None:
         return None
     out = outs[0]
     if (out.dtype != flat.dtype or out.device != flat.device or out.numel() != segments.total
             or not out.is_contiguous()
-            or out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()):
+            or (not may_alias and out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr())):
         return None
     return out.view(-1)
+
+
+def _input_as_flat(compressor: Compressor, segments: Segments, views: Sequence[Tensor]) -> Optional[Tensor]:
+    """A lone gradient as the bucket's flat input as it is, without the copy of :meth:`Segments.gather`, for a
+    compressor whose bucket-wise exchange only reads its input (``_reads_flat_only``: the dense formats, where
+    the copy would be one of the few passes over the bucket) when it is the layout exactly (contiguous, of the
+    state dtype, no gap); else ``None``."""
+    if not getattr(type(compressor), "_reads_flat_only", False) or len(views) != 1 or segments.padded:
+        return None
+    view = views[0]
+    if view.dtype != state_dtype(view.dtype) or not view.is_contiguous() or view.numel() != segments.total:
+        return None
+    return view.reshape(-1)
 
 
 def _squared_norms(tensors: Sequence[Tensor]) -> Tensor:
@@ -330,33 +352,35 @@ class NonfiniteWatch:
         self._known: list[tuple[int, str]] = []
         self._spares: dict[tuple[int, bool], list[Tensor]] = {}  # host buffers already read
         self._pending: "deque[tuple[int, list[str], Tensor, Optional[torch.cuda.Event]]]" = deque()
+        self._lock = threading.Lock()  # noted on the exchange thread, taken on the training thread
 
     def note(self, contexts: Sequence[CompressContext], stacked: Optional[Tensor] = None) -> None:
         """Record one bucket's flags (``ctx.finite`` of each of its tensors; ``stacked``: its tensor flags
         stacked in order, if already at hand)."""
-        unsure = []
-        for ctx in contexts:
-            if ctx.finite is False:
-                self._known.append((ctx.step, ctx.name))
-            elif isinstance(ctx.finite, Tensor):
-                unsure.append(ctx)
-        if not unsure:
-            return
-        finite = stacked if stacked is not None else torch.stack([ctx.finite.reshape(()) for ctx in unsure])
-        on_cuda = finite.device.type == "cuda"
-        host = self._host_buffer(finite.numel(), on_cuda)
-        host.copy_(finite, non_blocking=on_cuda)
-        event = None
-        if on_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(finite.device))
-        self._pending.append((unsure[0].step, [ctx.name for ctx in unsure], host, event))
-        if len(self._pending) > self.LIMIT:
-            entry = self._pending.popleft()
-            found = self._read(entry, wait=True)
-            self._recycle(entry)
-            if found[1]:
-                self._known.extend((found[0], name) for name in found[1])
+        with self._lock:
+            unsure = []
+            for ctx in contexts:
+                if ctx.finite is False:
+                    self._known.append((ctx.step, ctx.name))
+                elif isinstance(ctx.finite, Tensor):
+                    unsure.append(ctx)
+            if not unsure:
+                return
+            finite = stacked if stacked is not None else torch.stack([ctx.finite.reshape(()) for ctx in unsure])
+            on_cuda = finite.device.type == "cuda"
+            host = self._host_buffer(finite.numel(), on_cuda)
+            host.copy_(finite, non_blocking=on_cuda)
+            event = None
+            if on_cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(finite.device))
+            self._pending.append((unsure[0].step, [ctx.name for ctx in unsure], host, event))
+            if len(self._pending) > self.LIMIT:
+                entry = self._pending.popleft()
+                found = self._read(entry, wait=True)
+                self._recycle(entry)
+                if found[1]:
+                    self._known.extend((found[0], name) for name in found[1])
 
     def _host_buffer(self, numel: int, pinned: bool) -> Tensor:
         """A host buffer for one bucket's flags: one read before (kept for reuse), else a new one."""
@@ -368,20 +392,21 @@ class NonfiniteWatch:
     def take(self, block: bool = False) -> list[tuple[int, list[str]]]:
         """``(step, names)`` of the non-finite gradients found since the last call, by step. Device flags
         whose copy has not arrived stay for a later call (``block=True``: wait for them)."""
-        found: dict[int, list[str]] = {}
-        for step, name in self._known:
-            found.setdefault(step, []).append(name)
-        self._known = []
-        while self._pending:
-            event = self._pending[0][3]
-            if not block and event is not None and not event.query():
-                break
-            entry = self._pending.popleft()
-            step, names = self._read(entry, wait=block)
-            self._recycle(entry)
-            if names:
-                found.setdefault(step, []).extend(names)
-        return sorted(found.items())
+        with self._lock:
+            found: dict[int, list[str]] = {}
+            for step, name in self._known:
+                found.setdefault(step, []).append(name)
+            self._known = []
+            while self._pending:
+                event = self._pending[0][3]
+                if not block and event is not None and not event.query():
+                    break
+                entry = self._pending.popleft()
+                step, names = self._read(entry, wait=block)
+                self._recycle(entry)
+                if names:
+                    found.setdefault(step, []).extend(names)
+            return sorted(found.items())
 
     def _recycle(self, entry: tuple[int, list[str], Tensor, Any]) -> None:
         """Keep a bucket's host buffer, once read, for a later bucket of the same size."""

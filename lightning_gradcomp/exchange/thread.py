@@ -16,22 +16,51 @@ mixes gradients.
 On CUDA the exchange runs on a stream of its own (:class:`ExchangeStreams`): it waits for an event
 recorded on the autograd stream when the bucket was handed over (the gradients are ready), and the
 future is created for the device, so DDP's wait makes its stream wait for the exchange's work.
+
+Three rules keep that safe on GPUs:
+
+* **Tensors from another stream are recorded on the exchange stream.** A tensor the caller allocated
+  on its own stream and hands to the exchange (local updates' outer gradients and the buffers their
+  averages go to) is ``record_stream``-ed on the exchange stream before the exchange uses it
+  (:func:`hand_over`), so that the caching allocator does not give its memory to the caller's next
+  allocation while the exchange's kernels still read or write it. What the exchange allocates itself
+  belongs to its stream.
+* **The thread sets its device before it touches a stream** (:func:`on_stream`). A new thread's current
+  device is 0; entering and leaving ``torch.cuda.stream`` there would make device 0 current and create a
+  CUDA context on it, about 0.5 GB of another rank's GPU per process.
+* **The ordering rule.** Each process group's collectives are issued by one thread, in an order that
+  is the same on every rank: the training's group by the training (and autograd) thread, the exchange
+  group only by the exchange thread, bucket after bucket. The interleaving *between* the two groups may
+  differ from rank to rank. NCCL allows that only while kernels of both communicators can run at the same
+  time and nothing waits for the whole device; so (1) the exchange group's communicator is created
+  eagerly, on the thread that builds the hook state, never lazily from the exchange thread
+  (:func:`exchange_group`); (2) the exchange never synchronises the host with the device for fixed-size
+  compressors (``tests/test_host_sync.py``); (3) with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware
+  queue: a kernel of one communicator waiting for its peers blocks the other's) the thread is not used on
+  NCCL: ``exchange_thread=None`` runs the exchange in the hook, and ``exchange_thread=True`` (or local
+  updates with ``delay > 0``) is refused (:func:`check_concurrent_communicators`). What remains is the
+  user's: a ``torch.cuda.synchronize()``, ``empty_cache()`` or an out-of-memory retry of the allocator
+  while both groups have kernels in flight waits for the whole device; if a job with the thread hangs
+  there, ``exchange_thread=False`` issues every collective from the autograd thread.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.futures import Future
 
+from lightning_gradcomp.core.device import on_stream
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport
 
@@ -66,17 +95,71 @@ class ExchangeStreams:
         if stream is None:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream(device))
-        return torch.cuda.stream(stream)
+        return on_stream(stream)
 
 
-def exchange_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+def hand_over(tensors: Sequence[Optional[Tensor]], stream: "Optional[torch.cuda.Stream]") -> None:
+    """Mark ``tensors``, allocated on another stream, as used by ``stream`` (the exchange's): the caching
+    allocator then keeps their memory until ``stream``'s work queued before they are freed has run
+    (``Tensor.record_stream``). Tensors not on CUDA, and ``stream=None``, need nothing."""
+    if stream is None:
+        return
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cuda":
+            _record_stream(tensor, stream)
+
+
+def _record_stream(tensor: Tensor, stream: "torch.cuda.Stream") -> None:
+    tensor.record_stream(stream)
+
+
+#: Where NCCL may run kernels of two communicators at once: not with one hardware queue per device.
+MAX_CONNECTIONS_VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def concurrent_communicators_allowed(backend: str, environ: Optional[dict[str, str]] = None) -> bool:
+    """Whether the exchange group's collectives may run beside the training group's (the ordering rule
+    above): always on gloo; on NCCL unless ``CUDA_DEVICE_MAX_CONNECTIONS=1``."""
+    environ = os.environ if environ is None else environ
+    return str(backend).lower() != "nccl" or environ.get(MAX_CONNECTIONS_VARIABLE, "").strip() != "1"
+
+
+def check_concurrent_communicators(backend: str, environ: Optional[dict[str, str]] = None) -> None:
+    """Refuse the exchange thread where its collectives could deadlock against the training's (NCCL with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``), naming what to do instead."""
+    if not concurrent_communicators_allowed(backend, environ):
+        raise ValueError(
+            f"gradcomp: the exchange thread (exchange_thread=True, or local updates with delay > 0) runs NCCL "
+            f"collectives beside the training's, which {MAX_CONNECTIONS_VARIABLE}=1 can deadlock (one hardware "
+            f"queue: a collective waiting for its peers blocks the other communicator's). Allowed: unset "
+            f"{MAX_CONNECTIONS_VARIABLE} (or set it above 1), or exchange_thread=None/False (delay=0 for local "
+            "updates)")
+
+
+def exchange_group(group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> dist.ProcessGroup:
     """A process group with the ranks, backend and timeout of ``group`` (``None``: the world), for the
     exchange thread's collectives. Every rank of ``group`` must call it at the same point (the world's
-    ranks all, when ``group`` is the world)."""
+    ranks all, when ``group`` is the world).
+
+    On NCCL the communicator is created now, on the calling thread, by a one-element all-reduce on
+    ``device`` (default: the current CUDA device): NCCL creates communicators lazily at their first
+    collective, and creating one from the exchange thread while the training's communicator has kernels
+    in flight can deadlock (see the ordering rule above)."""
     world = group is None or group is dist.group.WORLD
     ranks = None if world else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, timeout=group_timeout(group), backend=dist.get_backend(group),
-                          use_local_synchronization=not world)
+    backend = dist.get_backend(group)
+    created = dist.new_group(ranks, timeout=group_timeout(group), backend=backend,
+                             use_local_synchronization=not world)
+    if str(backend).lower() == "nccl":
+        eager_init(created, device)
+    return created
+
+
+def eager_init(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> None:
+    """Create ``group``'s NCCL communicator now: a one-element all-reduce on ``device``, waited for."""
+    device = device if device is not None and device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    torch.cuda.synchronize(device)
 
 
 def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
@@ -107,10 +190,14 @@ class ExchangeThread:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def submit(self, protocol: BucketProtocol, device: torch.device, finish: Callable[[BucketReport], Any]) -> Future:
+    def submit(self, protocol: BucketProtocol, device: torch.device, finish: Callable[[BucketReport], Any],
+               handed: Sequence[Optional[Tensor]] = ()) -> Future:
         """Queue one bucket's exchange; the future's value is ``finish(report)``, set on the exchange
         thread (on CUDA while its stream is current, so that waiting on the future makes the waiting
-        stream wait for the exchange: ``finish`` should return the bucket's tensor)."""
+        stream wait for the exchange: ``finish`` should return the tensors the waiter reads, the bucket's
+        buffer or the outputs). ``handed``: tensors the caller allocated on its own stream that the
+        exchange reads or writes; they are recorded on the exchange stream (:func:`hand_over`) before it
+        runs. (A DDP bucket's buffer needs nothing: DDP keeps it for the whole training.)"""
         self._ensure_started()
         if device.type == "cuda":
             ready = torch.cuda.Event()
@@ -118,7 +205,7 @@ class ExchangeThread:
             future: Future = Future(devices=[device])
         else:
             ready, future = None, Future()
-        self._queue.put((protocol, device, ready, future, finish))
+        self._queue.put((protocol, device, ready, future, finish, tuple(handed)))
         return future
 
     def drain(self) -> None:
@@ -157,14 +244,15 @@ class ExchangeThread:
             if isinstance(item, _Marker):
                 item.done.set_result(None)
                 continue
-            protocol, device, ready, future, finish = item
+            protocol, device, ready, future, finish, handed = item
             try:
                 stream = self.streams.get(device)
-                if stream is not None:
-                    with torch.cuda.stream(stream):
+                with on_stream(stream):
+                    if stream is not None:
                         stream.wait_event(ready)
-                        future.set_result(finish(self.driver.drive(protocol)))
-                else:
+                        hand_over(handed, stream)
                     future.set_result(finish(self.driver.drive(protocol)))
             except BaseException as error:  # noqa: BLE001 - every error must reach DDP's wait
                 future.set_exception(error)
+            finally:
+                del protocol, handed, item  # the exchange's tensors are freed here, on the exchange stream

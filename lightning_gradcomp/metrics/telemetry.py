@@ -101,6 +101,8 @@ class StepRecorder:
 
     def __init__(self) -> None:
         self._entries: list[tuple[tuple[str, ...], Tensor, Tensor, tuple[int, ...], tuple[int, ...]]] = []
+        self._streams: dict[int, "torch.cuda.Stream"] = {}  # the CUDA streams that wrote the step's entries
+        self._lock = threading.Lock()  # entries come from the exchange thread, the step closes on another
         self._last: Optional[Tensor] = None  # (2,) float64: the last closed step's error and input sums
         self._earlier: Optional[Tensor] = None  # the same, summed over the steps closed before it
         self._layers: Optional[tuple[list[tuple[str, int, int]], Tensor]] = None  # the last step's, if kept
@@ -119,7 +121,11 @@ class StepRecorder:
             error_sq, grad_sq = torch.zeros_like(error_sq), torch.zeros_like(grad_sq)
         elif isinstance(finite, Tensor):
             error_sq, grad_sq = (torch.where(finite, value, torch.zeros_like(value)) for value in (error_sq, grad_sq))
-        self._entries.append((names, error_sq.detach(), grad_sq.detach(), counts, numels))
+        with self._lock:
+            self._entries.append((names, error_sq.detach(), grad_sq.detach(), counts, numels))
+            if error_sq.device.type == "cuda":
+                stream = torch.cuda.current_stream(error_sq.device)
+                self._streams[stream.stream_id] = stream
 
     @property
     def unread(self) -> bool:
@@ -129,7 +135,10 @@ class StepRecorder:
     def close_step(self, keep_layers: bool = False) -> None:
         """Fold the step's entries into device-side sums (no host synchronisation); with ``keep_layers``
         the per-parameter figures of this step are kept for :meth:`read`."""
-        entries, self._entries = self._entries, []
+        with self._lock:
+            entries, self._entries = self._entries, []
+            streams, self._streams = list(self._streams.values()), {}
+        _wait_for(streams, [tensor for entry in entries for tensor in entry[1:3]])
         if self._last is not None:
             self._earlier = self._last if self._earlier is None else self._earlier + self._last
             self._last = None
@@ -166,3 +175,19 @@ class StepRecorder:
                 layer.grad_sq += grad
                 layer.count += sent
                 layer.numel += numel
+
+
+def _wait_for(streams: list["torch.cuda.Stream"], tensors: list[Tensor]) -> None:
+    """Make the current stream wait for ``streams`` (the exchange's, which wrote ``tensors``) and record
+    ``tensors`` as used by it, so that reading them here sees their values and freeing them later does not
+    hand their memory back while this stream still reads them (no host synchronisation)."""
+    if not streams:
+        return
+    current = torch.cuda.current_stream(streams[0].device)
+    others = [stream for stream in streams if stream != current]
+    if not others:
+        return
+    for stream in others:
+        current.wait_stream(stream)
+    for tensor in tensors:
+        tensor.record_stream(current)
