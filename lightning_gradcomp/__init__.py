@@ -1,7 +1,9 @@
 """lightning-gradcomp: gradient compression for PyTorch Lightning DDP in one line.
 
 ``import lightning_gradcomp`` registers the ``"gradcomp"`` strategies with Lightning's Trainer and with
-Lightning Fabric. Three ways in:
+Lightning Fabric, without importing Lightning itself: the registration happens when Lightning is (or
+already was) imported, and the Lightning classes below are loaded when first used (see
+:mod:`lightning_gradcomp._registration`). A plain-PyTorch script never loads Lightning. Three ways in:
 
 * Trainer: ``Trainer(strategy="gradcomp")`` or ``Trainer(strategy=GradCompStrategy(compressor=...))``;
 * Fabric: ``Fabric(strategy="gradcomp")`` or ``Fabric(strategy=GradCompFabricStrategy(compressor=...))``;
@@ -9,9 +11,10 @@ Lightning Fabric. Three ways in:
   local updates (DiLoCo): ``lightning_gradcomp.local_updates(model, optimizer, sync_every=100)``.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
+import importlib
+from typing import Any
 
+from lightning_gradcomp import _registration
 from lightning_gradcomp.compressors import (
     BF16,
     DGC,
@@ -37,18 +40,35 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
-from lightning_gradcomp.lightning.fabric import GradCompFabricStrategy
-from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
-from lightning_gradcomp.lightning.strategy import GradCompStrategy
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
 __version__ = "0.2.0"
 
-GradCompStrategy.register_strategies(StrategyRegistry)
-GradCompSimStrategy.register_strategies(StrategyRegistry)
-GradCompFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+#: The public names that need Lightning, and the modules they come from (imported when first used).
+LIGHTNING_NAMES = {
+    "GradCompStrategy": "lightning_gradcomp.lightning.strategy",
+    "GradCompSimStrategy": "lightning_gradcomp.lightning.simulation",
+    "GradCompFabricStrategy": "lightning_gradcomp.lightning.fabric",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The Lightning strategies, imported when first asked for (``lightning_gradcomp.GradCompStrategy``)."""
+    module = LIGHTNING_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_gradcomp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(LIGHTNING_NAMES))
+
+
+_registration.install()
 
 __all__ = [
     "BF16",

@@ -44,7 +44,8 @@ def _gloo_entry(rank: int, world_size: int, port: int, fn: Callable[..., None], 
 #: Imported once by the fork server that starts every :func:`run_gloo` process: a fresh interpreter
 #: importing them costs about 7 s on 2 cores (Lightning's imports), paid once per session instead of
 #: once per process.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_gradcomp", "tests._processes", "tests._gloo_workers"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning_gradcomp", "lightning", "tests._processes",
+                      "tests._gloo_workers"]
 
 
 def run_gloo(fn: Callable[..., None], world_size: int = 2, *args: Any) -> None:

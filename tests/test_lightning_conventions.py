@@ -45,3 +45,18 @@ def test_every_overridden_lightning_method_is_marked_override(cls: type) -> None
         if not getattr(function, "__override__", False) and not getattr(member, "__override__", False):
             unmarked.append(name)
     assert not unmarked, f"{cls.__name__}: overrides without @override: {unmarked}"
+
+
+def test_the_unused_parameters_variant_is_registered_for_the_trainer_and_fabric() -> None:
+    """Lightning's advice for unused parameters names ``ddp_find_unused_parameters_true``, which does not
+    compress; ours keeps the compression (issue 36, item 11)."""
+    import lightning as L
+    from lightning.fabric import Fabric
+
+    trainer = L.Trainer(strategy="gradcomp_find_unused_parameters_true", accelerator="cpu", devices=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    assert isinstance(trainer.strategy, GradCompStrategy)
+    assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": True}
+    fabric = Fabric(strategy="gradcomp_find_unused_parameters_true", accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, GradCompFabricStrategy)
+    assert fabric.strategy._ddp_kwargs == {"find_unused_parameters": True}

@@ -87,3 +87,27 @@ def test_two_process_run_writes_every_tag_to_tensorboard(lightning_runs, compres
     bound = 1 if compressor == "topk" else 2  # QSGD's error may exceed its input (variance up to √d/s)
     assert all(0 < e.value <= bound for e in events.Scalars("gradcomp/relative_error"))
     assert runs[0]["totals"]["error_sq"] > 0
+
+
+def test_the_monitors_scalars_share_lightnings_step(tmp_path) -> None:
+    """``gradcomp/*`` scalars are logged at the step Lightning logs the module's own metrics of the same
+    batch (they were one step later: the step counter after the optimizer step; issue 36, item 9)."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gradcomp import GradCompSimStrategy
+    from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, log_every_n_steps=2, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=GradCompSimStrategy(workers=2, compressor="topk", print_summary=False),
+                        callbacks=[CompressionMonitor(log_every_n_steps=2)], logger=CSVLogger(tmp_path, name="run"),
+                        default_root_dir=tmp_path)
+    trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(batch_size=64))
+    with open(next(tmp_path.rglob("metrics.csv"))) as handle:
+        rows = list(csv.DictReader(handle))
+    ours = {int(row["step"]) for row in rows if row.get("gradcomp/bytes_sent")}
+    lightnings = {int(row["step"]) for row in rows if row.get("train_loss")}
+    assert ours and ours == lightnings, (ours, lightnings)

@@ -25,6 +25,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
@@ -43,6 +44,7 @@ from lightning_gradcomp.lightning.options import (
     check_process_group_backend,
     check_start_method,
     check_timeout,
+    FIND_UNUSED_VARIANT,
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
 )
@@ -146,6 +148,10 @@ class GradCompFabricStrategy(DDPStrategy):
                 name, cls, override=True, start_method=start_method,
                 description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
             )
+        strategy_registry.register(
+            FIND_UNUSED_VARIANT, cls, override=True, find_unused_parameters=True,
+            description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
+        )
 
     # ------------------------------------------------------------------ setup
     @override
@@ -238,3 +244,6 @@ class GradCompFabricStrategy(DDPStrategy):
             elif entry is not None:
                 self._pending_entry = entry
         return remainder
+
+
+GradCompFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -77,6 +77,10 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 REGISTERED_VARIANTS = (("gradcomp", "popen"), ("gradcomp_spawn", "spawn"), ("gradcomp_fork", "fork"),
                        ("gradcomp_notebook", "fork"))
 
+#: ``strategy="gradcomp_find_unused_parameters_true"``: DDP's ``find_unused_parameters=True`` (the name
+#: Lightning's own error message suggests is ``"ddp_find_unused_parameters_true"``, which has no compression)
+FIND_UNUSED_VARIANT = "gradcomp_find_unused_parameters_true"
+
 
 def check_ddp_kwargs(kwargs: dict[str, Any], strategy: str) -> dict[str, Any]:
     """The ``DistributedDataParallel`` arguments a strategy passes on: known names only, booleans where

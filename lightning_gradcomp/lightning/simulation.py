@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -327,3 +327,6 @@ def current_worker(module: Any) -> int:
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
     return int(getattr(strategy, "current_worker", 0))
+
+
+GradCompSimStrategy.register_strategies(StrategyRegistry)

@@ -11,7 +11,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -33,6 +33,7 @@ from lightning_gradcomp.lightning.options import (
     check_start_method,
     check_timeout,
     configure_strategy,
+    FIND_UNUSED_VARIANT,
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
 )
@@ -178,6 +179,10 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+        strategy_registry.register(
+            FIND_UNUSED_VARIANT, cls, override=True, find_unused_parameters=True,
+            description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
+        )
 
     # ------------------------------------------------------------------ hook installation
     @override
@@ -296,3 +301,6 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             local, self._pending_local = self._pending_local, None
             self.local_loop.load_state_dict(local, self.optimizers)
 
+
+
+GradCompStrategy.register_strategies(StrategyRegistry)

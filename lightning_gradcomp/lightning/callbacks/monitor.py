@@ -110,7 +110,7 @@ class CompressionMonitor(Callback):
         metrics = {f"{PREFIX}epoch_compute_s": compute, f"{PREFIX}epoch_comm_s_est": self._epoch_comm_s,
                    f"{PREFIX}epoch_total_s_est": compute + self._epoch_comm_s}
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=_logging_step(trainer))
 
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -159,11 +159,12 @@ class CompressionMonitor(Callback):
         metrics: dict[str, float] = {}
         if log_now:
             metrics.update(self._metrics(step_avg, total_avg, comm_s))
+        logged_at = _logging_step(trainer)
         if layer_names:
             layers = {name: layer_values[4 * i:4 * i + 4] for i, name in enumerate(layer_names)}
-            metrics.update(self._log_layers(trainer, layers, step))
+            metrics.update(self._log_layers(trainer, layers, logged_at))
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=logged_at)
 
     # ------------------------------------------------------------------ figures
     @staticmethod
@@ -198,3 +199,10 @@ class CompressionMonitor(Callback):
                     logger.experiment.add_histogram(f"{PREFIX}layer_relative_error", torch.tensor(finite), step)
                     logger.experiment.add_histogram(f"{PREFIX}layer_density", torch.tensor(list(density.values())), step)
         return {}
+
+
+def _logging_step(trainer: "L.Trainer") -> int:
+    """The step at which Lightning logs the module's metrics of the current batch (``self.log``): its count of
+    batches that stepped the optimizer before this one, not ``global_step`` (which the optimizer step has
+    already advanced, and which counts every optimizer of a batch)."""
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step - 1))
