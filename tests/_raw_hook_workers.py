@@ -117,3 +117,28 @@ def check_summary_and_counters_span_every_step(rank: int, world_size: int) -> No
     assert totals.bytes_dense == first.bytes_dense / 3 * 5
     assert re.search(r"workers, steps +2, 5\n", handle.summary())
     handle.close()
+
+
+def check_register_refuses_sharded_and_second_registrations(rank: int, world_size: int) -> None:
+    """A second ``register()`` on one DDP model and a ``fully_shard``-ed model are refused with what to do
+    instead; ``use_compressor`` switches the compressor between steps (issue 36, item 6)."""
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_gradcomp
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    handle = lightning_gradcomp.register(ddp, "topk", min_compress_numel=16)
+    with pytest.raises(ValueError, match=r"already has a communication hook.*use_compressor"):
+        lightning_gradcomp.register(ddp, "qsgd")
+    handle.use_compressor("qsgd")
+    assert type(handle.hook_state.compressor).__name__ == "QSGD"
+    ddp(torch.randn(8, 64)).sum().backward()
+    assert handle.step_stats.bytes_sent > 0
+    handle.use_compressor(None)
+    assert type(handle.hook_state.compressor).__name__ == "NoCompression"
+    sharded = fully_shard(torch.nn.Linear(64, 64), mesh=init_device_mesh("cpu", (world_size,)))
+    with pytest.raises(ValueError, match=r"sharded model.*not supported yet.*DistributedDataParallel"):
+        lightning_gradcomp.register(sharded, "topk")

@@ -25,3 +25,10 @@ def test_the_summary_and_counters_span_every_step_and_survive_a_resume_with_anot
     from tests._raw_hook_workers import check_summary_and_counters_span_every_step
 
     run_gloo(check_summary_and_counters_span_every_step, 2)
+
+
+@pytest.mark.multiprocess
+def test_register_refuses_a_second_hook_and_sharded_models_and_switches_compressors() -> None:
+    from tests._raw_hook_workers import check_register_refuses_sharded_and_second_registrations
+
+    run_gloo(check_register_refuses_sharded_and_second_registrations, 1)

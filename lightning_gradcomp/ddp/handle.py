@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Compressor, get_compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import gather_entry, restore_entry
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
@@ -45,6 +45,13 @@ class GradCompHandle:
         self.hook_state = hook_state
         self.compressor = compressor
         self.device = device
+
+    def use_compressor(self, compressor: Union[Compressor, str, None]) -> None:
+        """Switch the compressor between two steps (a name or an instance; ``None``: send uncompressed).
+        Residuals and compressor state are kept, keyed by parameter name. This is how a schedule changes
+        the compression: DDP accepts one communication hook per model, so :func:`register` cannot be called
+        again on the same model."""
+        self.hook_state.use_compressor(None if compressor is None else get_compressor(compressor))
 
     # ------------------------------------------------------------------ the hook's entry point
     def exchange(self, bucket: dist.GradBucket) -> Future:
@@ -144,9 +151,21 @@ def register(
         a :class:`GradCompHandle` with ``step_stats``, ``totals``, ``summary()``, ``state_dict()`` and
         ``load_state_dict()``.
     """
+    if _is_sharded(ddp_model):
+        raise ValueError(
+            f"gradcomp: register() compresses the buckets of a DistributedDataParallel model; got a sharded model "
+            f"({type(ddp_model).__name__}: fully_shard / FullyShardedDataParallel), whose gradients FSDP reduce-scatters "
+            "itself. Compressing FSDP's traffic between replicas (HSDP) is not supported yet; allowed: a model "
+            "replicated on every rank, wrapped in torch.nn.parallel.DistributedDataParallel")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"`ddp_model` must be a torch.nn.parallel.DistributedDataParallel, got "
                          f"{type(ddp_model).__name__}; wrap the model first: DistributedDataParallel(model)")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError(
+            "gradcomp: this DistributedDataParallel model already has a communication hook (an earlier register() "
+            "or register_comm_hook), and DDP accepts one per model. To change the compression between steps, "
+            "call use_compressor(...) on the handle the first register() returned; otherwise wrap a new "
+            "DistributedDataParallel")
     check_reducer(ddp_model)
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     device = next(ddp_model.module.parameters()).device
@@ -157,6 +176,15 @@ def register(
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     return handle
+
+
+def _is_sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without FSDP2's public names
+        return type(model).__name__.startswith("FSDP") or "FullyShardedDataParallel" in type(model).__name__
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
 
 
 def check_reducer(ddp_model: DistributedDataParallel) -> None:
