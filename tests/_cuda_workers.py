@@ -19,11 +19,13 @@ from tests._processes import free_port
 from tests._sync_workers import fixed_size_variants
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., None], args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., None], args: tuple,
+           gpu_per_rank: bool = False) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(0)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    device = torch.device("cuda", rank if gpu_per_rank else 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **({"device_id": device} if gpu_per_rank else {}))
     try:
         fn(rank, world_size, *args)
     finally:
@@ -211,12 +213,7 @@ def check_no_context_on_another_ranks_gpu(rank: int, world_size: int) -> None:
     model = _model()
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank], bucket_cap_mb=0.5)
     handle = lightning_gradcomp.register(ddp, TopK(0.01), min_compress_numel=256, exchange_thread=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for x, y in _batches(rank, 5):
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
+    _sgd_steps(ddp, rank, 5)
     handle.close()
     dist.barrier()
     pid = os.getpid()
@@ -226,19 +223,19 @@ def check_no_context_on_another_ranks_gpu(rank: int, world_size: int) -> None:
             assert str(pid) not in listed, f"rank {rank} (pid {pid}) holds a context on GPU {device}:\n{listed}"
 
 
-def _entry_per_gpu(rank: int, world_size: int, port: int, fn: Callable[..., None]) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
-    try:
-        fn(rank, world_size)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_one_gpu_per_rank(fn: Callable[..., None], world_size: int) -> None:
-    mp.start_processes(_entry_per_gpu, args=(world_size, free_port(), fn), nprocs=world_size, start_method="spawn")
+    """``fn(rank, world_size)`` in ``world_size`` NCCL processes, rank ``r`` on GPU ``r``."""
+    mp.start_processes(_entry, args=(world_size, free_port(), "nccl", fn, (), True), nprocs=world_size,
+                       start_method="spawn")
+
+
+def _sgd_steps(ddp: nn.Module, rank: int, steps: int) -> None:
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for x, y in _batches(rank, steps):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
 
 
 def check_one_hardware_queue(rank: int, world_size: int) -> None:
@@ -250,12 +247,7 @@ def check_one_hardware_queue(rank: int, world_size: int) -> None:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=0.5)
         handle = lightning_gradcomp.register(ddp, compressor, min_compress_numel=256)
         assert handle.hook_state.thread is None and handle.hook_state.exchange_thread is False
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        for x, y in _batches(rank, 200):
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        torch.cuda.synchronize()
+        _sgd_steps(ddp, rank, 200)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     try:
         GradCompHookState("topk", {}, exchange_thread=True)

@@ -20,11 +20,10 @@ from lightning_gradcomp.compressors.selection import exact_topk, segmented_topk
 from lightning_gradcomp.compressors.sparse import sample_many_without_replacement, sample_without_replacement
 from lightning_gradcomp.core.device import accelerator_path
 from lightning_gradcomp.core.segments import Segments
-from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.exchange.memory import CompressionMemory
-from lightning_gradcomp.simulation import SimulatedExchange
 
 from tests._op_count import OpCounter, bound, count_bucket_ops, count_step_ops
+from tests.test_segments import _IntoTheGradients
 
 # ---------------------------------------------------------------------------------------------- Top-k, DGC
 
@@ -158,17 +157,6 @@ def test_the_hierarchy_zeroes_what_a_rank_does_not_own_in_one_operation() -> Non
 
 
 # ---------------------------------------------------------------------------------------------- dense formats
-
-
-class _IntoTheGradients(SimulatedExchange):
-    """DDP's way: worker 0's results go into its gradients themselves (each ``Entry``'s ``out`` is its grad)."""
-
-    def add_worker(self, worker: int, named_grads: list, shapes=None) -> None:
-        entries = [Entry(name, tuple(grad.shape), grad.reshape(-1), grad.reshape(-1) if worker == 0 else None)
-                   for name, grad in named_grads]
-        if worker == 0:
-            self._aggregate = {name: grad.reshape(-1) for name, grad in named_grads}
-        self.driver.start(worker, self.engines[worker].bucket(entries, self.step, worker, self.workers))
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16"])

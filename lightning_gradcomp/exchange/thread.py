@@ -255,4 +255,6 @@ class ExchangeThread:
             except BaseException as error:  # noqa: BLE001 - every error must reach DDP's wait
                 future.set_exception(error)
             finally:
-                del protocol, handed, item  # the exchange's tensors are freed here, on the exchange stream
+                # dropped before waiting for the next bucket (their memory, recorded on the exchange stream,
+                # is reused only once the stream's work on them has run)
+                del protocol, handed, item
