@@ -91,3 +91,15 @@ def test_gradient_accumulation_compresses_once_per_optimizer_step(lightning_runs
         assert rank["global_step"] == 2 * STEPS_PER_EPOCH // 2
         assert rank["hook_step"] == rank["global_step"]
         assert rank["hook_calls"] == rank["global_step"]  # one bucket per step for this small model
+
+
+def test_two_optimizers_of_one_batch_report_the_batchs_exchange(lightning_runs) -> None:
+    """Manual optimization, one backward and two optimizer steps per batch: the strategy's figures of the
+    batch (what CompressionMonitor logs) are its exchange's, not the second step's empty ones (issue 36,
+    item 8)."""
+    runs, _ = lightning_runs("two-optimizers", "--two-optimizers", "--max-steps", "8", "--epochs", "1")
+    for rank in runs:
+        assert rank["global_step"] == 8 and len(rank["steps"]) == 4  # two optimizer steps per batch
+        assert all(s["buckets"] >= 1 and s["bytes_sent"] > 0 for s in rank["steps"]), rank["steps"]
+        assert all(s["bytes_dense"] / s["bytes_sent"] > 10 for s in rank["steps"])
+    assert params_equal(runs[0]["params"], runs[1]["params"])

@@ -152,6 +152,7 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         self.local_loop: Optional[LocalUpdateLoop] = None
         self._pending_local: Optional[dict[str, Any]] = None
         self.step_stats = StepStats()
+        self._batch_stats_fresh = True  # the next optimizer step is the batch's first
 
     @classmethod
     def simulated(cls, workers: int = 4, **kwargs: Any) -> "GradCompSimStrategy":
@@ -242,10 +243,19 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         if self.local_loop is not None:
             self.local_loop.step()
         if self.hook_state is not None:
-            self.step_stats = self.hook_state.take_step_stats()
+            taken = self.hook_state.take_step_stats()
+            # several optimizer steps in one batch (manual optimization, several optimizers): the batch's
+            # figures are all of them together, not the last step's alone (empty when one backward fed both)
+            self.step_stats = taken if self._batch_stats_fresh else self.step_stats.combined(taken)
+            self._batch_stats_fresh = False
             if self.log_stats:
                 self._log_step_stats()
         return output
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batch_stats_fresh = True
 
     def _log_step_stats(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -93,6 +93,18 @@ class StepStats:
         for name in NUMERIC_FIELDS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def combined(self, other: "StepStats") -> "StepStats":
+        """A new :class:`StepStats` holding both: numeric figures and per-parameter figures summed,
+        collectives one after the other (the exchanges of two optimizer steps of one batch)."""
+        result = StepStats(**{name: getattr(self, name) + getattr(other, name) for name in NUMERIC_FIELDS},
+                           collectives=self.collectives + other.collectives)
+        for stats in (self, other):
+            for name, layer in stats.layers.items():
+                mine = result.layers.setdefault(name, LayerStats())
+                for figure in ("error_sq", "grad_sq", "count", "numel"):
+                    setattr(mine, figure, getattr(mine, figure) + getattr(layer, figure))
+        return result
+
     def state_dict(self) -> dict[str, Any]:
         return {name: float(getattr(self, name)) for name in NUMERIC_FIELDS}
 

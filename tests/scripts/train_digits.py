@@ -83,6 +83,31 @@ class RecordSteps(Callback):
                                "density": stats.density, "hook_step": strategy.hook_state.step})
 
 
+class TwoOptimizers(DigitsClassifier):
+    """Manual optimization with two optimizers stepped after one backward (a GAN-shaped loop): the first
+    layer's and the rest's."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, rest = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        first.step()
+        rest.step()
+        first.zero_grad()
+        rest.zero_grad()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        layers = list(self.net.children())
+        return (torch.optim.SGD(layers[0].parameters(), lr=self.hparams.lr),
+                torch.optim.SGD([p for layer in layers[1:] for p in layer.parameters()], lr=self.hparams.lr))
+
+
 def _logger(args: argparse.Namespace):
     if args.tensorboard:
         return TensorBoardLogger(args.tensorboard, name="run")
@@ -118,6 +143,7 @@ def main() -> None:
     parser.add_argument("--monitor", action="store_true", help="add CompressionMonitor(layer_every_n_steps=5)")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveCompression schedule on val_acc")
     parser.add_argument("--validate", action="store_true", help="run validation every epoch")
+    parser.add_argument("--two-optimizers", action="store_true", help="manual optimization, two optimizers")
     parser.add_argument("--local", type=int, default=0, help="local updates: synchronise every LOCAL steps")
     parser.add_argument("--peer-dies-at-step", type=int, default=None,
                         help="rank 1 exits at this step; rank 0 prints COLLECTIVE_ERROR and exits 3 on CollectiveError")
@@ -154,7 +180,7 @@ def main() -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if args.validate else 0, deterministic=True,
     )
-    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
+    model = (TwoOptimizers if args.two_optimizers else DigitsClassifier)(lr=args.lr, momentum=args.momentum)
     data = SimulatedOrderDigits(args.simulate, args.seed) if args.simulate else DigitsDataModule(batch_size=32)
     try:
         trainer.fit(model, datamodule=data, ckpt_path=args.resume)
