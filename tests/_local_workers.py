@@ -127,3 +127,28 @@ def _check_resume(rank: int, streaming: dict, saved_at: int) -> None:
     for a, b in zip(handle.loop.outer.global_params, twin_handle.loop.outer.global_params):
         assert torch.equal(a, b)
     assert handle.totals.bytes_sent == twin_handle.totals.bytes_sent
+
+
+def check_the_optimizer_step_counts_iterations(rank: int, world_size: int) -> None:
+    """A loop that never calls ``handle.step()`` synchronises on the same schedule, to the same bits, as one
+    that calls it after every optimizer step (issue 36, item 15); a skipped optimizer step (as a GradScaler
+    skips one) is counted by ``handle.step()``."""
+    results = []
+    for explicit in (True, False):
+        model = small_model()
+        optimizer = inner_optimizer(model)
+        handle = local_updates(model, optimizer, sync_every=SYNC_EVERY, compressor="topk", min_compress_numel=256)
+        synced = []
+        for step in range(STEPS):
+            inner_step(model, optimizer, step, rank)
+            if explicit:
+                synced.append(handle.step())
+        assert handle.loop.outer.optimizer_steps == STEPS and handle.loop.outer.syncs == STEPS // SYNC_EVERY
+        if explicit:
+            assert synced == [(step + 1) % SYNC_EVERY == 0 for step in range(STEPS)]
+        results.append(torch.cat([g.reshape(-1) for g in handle.loop.outer.global_params]))
+        if explicit:
+            handle.step()  # an iteration whose optimizer step was skipped
+            assert handle.loop.outer.optimizer_steps == STEPS + 1
+        handle.close()
+    assert torch.equal(results[0], results[1])

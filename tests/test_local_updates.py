@@ -392,3 +392,10 @@ def test_the_compression_monitor_logs_each_synchronisation_without_a_collective(
     for _, metrics in logger.logged:
         assert metrics["gradcomp/bytes_sent"] > 0 and 0 < metrics["gradcomp/density"] < 1
         assert any(key.startswith("gradcomp/layer/") for key in metrics)
+
+
+@pytest.mark.multiprocess
+def test_the_inner_optimizers_step_counts_the_iterations() -> None:
+    from tests._local_workers import check_the_optimizer_step_counts_iterations
+
+    run_gloo(check_the_optimizer_step_counts_iterations, 2)

@@ -8,7 +8,7 @@
     diloco = lightning_gradcomp.local_updates(model, optimizer, sync_every=100, compressor="int8")
     for batch in loader:                                # each rank its own shard
         loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()
-        diloco.step()                                   # every 100 steps: the outer synchronisation
+        diloco.step()                                   # optional: optimizer.step() already counted the step
     entry = diloco.state_dict()                         # every rank calls; the entry on rank 0, None elsewhere
 
 The model is not wrapped in ``DistributedDataParallel``: nothing is communicated between two
@@ -44,11 +44,43 @@ class LocalUpdateHandle(GradCompHandle):
         super().__init__(loop.exchange, loop.exchange.compressor, device)
         self.loop = loop
         self.optimizers = list(optimizers)
+        self._counted_by_hook = False  # the last optimizer step was counted by the hook, not yet by step()
+        self._last_synced = False
+        self._hook: Optional[Any] = None
+
+    def count_optimizer_steps(self, optimizer: Optimizer) -> None:
+        """Count an iteration whenever ``optimizer`` steps (``Optimizer.register_step_post_hook``), so that a
+        loop cannot forget :meth:`step` (:func:`local_updates` hooks the first inner optimizer). The first
+        call of :meth:`step` takes the counting back (see there)."""
+        def counted(*_: Any) -> None:
+            self._last_synced = self.loop.step()
+            self._counted_by_hook = True
+
+        self._hook = optimizer.register_step_post_hook(counted)
 
     def step(self) -> bool:
-        """Call once per inner optimizer step, on every rank; every ``sync_every`` steps the outer
-        synchronisation runs (a collective). Whether it did."""
+        """Count one inner iteration, on every rank; every ``sync_every`` iterations the outer synchronisation
+        runs (a collective). Whether it did.
+
+        Optional: until the first call, the first inner optimizer's ``step()`` counts each iteration. The
+        first call ends that (the hook is removed; an iteration the hook counted just before is not counted
+        twice), and from then on every call counts one iteration, also one whose optimizer step a
+        ``GradScaler`` skipped, so that the schedule stays the same on every rank: with a GradScaler, call
+        it every iteration."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            if self._counted_by_hook:
+                self._counted_by_hook = False
+                return self._last_synced
         return self.loop.step()
+
+    def close(self) -> None:
+        """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        super().close()
 
     def _optimizer_steps(self) -> Optional[int]:
         """The summary's bytes are per optimizer step too (the exchanges in flight counted first)."""
@@ -101,7 +133,10 @@ def local_updates(
     Args:
         model: the bare model (not wrapped in ``DistributedDataParallel``); rank 0's values are broadcast
             now, so every rank starts from the same parameters.
-        optimizers: the inner optimizer(s), each rank's own.
+        optimizers: the inner optimizer(s), each rank's own. The first one's ``step()`` counts each iteration
+            (a step post-hook), so the loop needs no :meth:`LocalUpdateHandle.step` call; a loop that calls it
+            after every iteration, as before (needed with a ``GradScaler``, which may skip a rank's step),
+            takes the counting over at its first call.
         sync_every, outer_optimizer, fragments, delay, alpha: see
             :class:`~lightning_gradcomp.local.config.LocalUpdates` (``fragments``, ``delay``, ``alpha``:
             Streaming DiLoCo).
@@ -121,6 +156,8 @@ def local_updates(
     handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
                     min_compress_numel=min_compress_numel, seed=seed, group=group)
     handle.hook_state.telemetry = check_bool(telemetry, "telemetry")
+    if optimizers:
+        handle.count_optimizer_steps(optimizers[0])
     return handle
 
 
