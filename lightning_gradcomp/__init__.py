@@ -47,11 +47,7 @@ from lightning_gradcomp.metrics.stats import StepStats
 __version__ = "0.2.0"
 
 #: The public names that need Lightning, and the modules they come from (imported when first used).
-LIGHTNING_NAMES = {
-    "GradCompStrategy": "lightning_gradcomp.lightning.strategy",
-    "GradCompSimStrategy": "lightning_gradcomp.lightning.simulation",
-    "GradCompFabricStrategy": "lightning_gradcomp.lightning.fabric",
-}
+LIGHTNING_NAMES = _registration.STRATEGY_CLASSES
 
 
 def __getattr__(name: str) -> Any:

@@ -23,16 +23,19 @@ from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-#: The modules whose import registers strategies (each registers its own at its end).
-STRATEGY_MODULES = ("lightning_gradcomp.lightning.strategy", "lightning_gradcomp.lightning.simulation",
-                    "lightning_gradcomp.lightning.fabric")
+#: The strategy classes, by public name, and their modules (each registers its strategies at its end).
+STRATEGY_CLASSES = {
+    "GradCompStrategy": "lightning_gradcomp.lightning.strategy",
+    "GradCompSimStrategy": "lightning_gradcomp.lightning.simulation",
+    "GradCompFabricStrategy": "lightning_gradcomp.lightning.fabric",
+}
 
 
 def import_strategy_modules() -> None:
     """Import the strategy modules (registering the strategies). A module being imported right now (the
     import of Lightning started from inside it) registers its strategies when it finishes."""
-    for name in STRATEGY_MODULES:
-        importlib.import_module(name)
+    for module in STRATEGY_CLASSES.values():
+        importlib.import_module(module)
 
 
 class _AfterLightning(importlib.abc.MetaPathFinder):

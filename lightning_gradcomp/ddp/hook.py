@@ -104,11 +104,11 @@ class GradCompHookState:
         self.driver = TorchDriver(group)
         if exchange_thread is not None:
             check_bool(exchange_thread, "exchange_thread")
-        self.exchange_thread = exchange_thread
+        self.exchange_thread = _resolve_exchange_thread(exchange_thread, dist.get_backend(group))
         self.streams = ExchangeStreams()
         self.thread: Optional[ExchangeThread] = None
         self._thread_driver: Optional[TorchDriver] = None
-        if self._may_use_thread(device, group):
+        if self._may_use_thread(device):
             self._thread_driver = TorchDriver(exchange_group(group, device))
         _LIVE_STATES.add(self)
         _register_exit_cleanup()
@@ -394,14 +394,7 @@ class GradCompHookState:
             self.step += 1
         return protocol
 
-    def _may_use_thread(self, device: Optional[torch.device], group: Optional[dist.ProcessGroup]) -> bool:
-        backend = dist.get_backend(group)
-        if self.exchange_thread:
-            check_concurrent_communicators(backend)
-            return True
-        if self.exchange_thread is None and not concurrent_communicators_allowed(backend):
-            self.exchange_thread = False  # NCCL with one hardware queue: the exchange runs in the hook
-            logger.info("gradcomp: CUDA_DEVICE_MAX_CONNECTIONS=1 on NCCL: buckets are exchanged in the hook")
+    def _may_use_thread(self, device: Optional[torch.device]) -> bool:
         if self.exchange_thread is not None:
             return self.exchange_thread
         return device.type == "cuda" if device is not None else torch.cuda.is_available()
@@ -424,6 +417,19 @@ class GradCompHookState:
 
 
 logger = logging.getLogger(__name__)
+
+
+def _resolve_exchange_thread(requested: Optional[bool], backend: str) -> Optional[bool]:
+    """``exchange_thread`` under the ordering rule (:mod:`lightning_gradcomp.exchange.thread`): ``True`` is
+    refused, and ``None`` becomes ``False`` (the hook), where NCCL has one hardware queue
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``); otherwise as requested."""
+    if requested:
+        check_concurrent_communicators(backend)
+    elif requested is None and not concurrent_communicators_allowed(backend):
+        logger.info("gradcomp: CUDA_DEVICE_MAX_CONNECTIONS=1 on NCCL: buckets are exchanged in the hook")
+        return False
+    return requested
+
 
 _LIVE_STATES: "weakref.WeakSet[GradCompHookState]" = weakref.WeakSet()
 _exit_cleanup_registered = False

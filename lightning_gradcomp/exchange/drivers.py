@@ -165,9 +165,8 @@ class TorchDriver(_ByteCounter):
         """The collective's result, once it is done: on gloo the host waits (and a failure raises); on CUDA
         the current stream waits for the collective's. On NCCL ``work.wait()`` also lets the process group
         drop the tensors it keeps for the collective (else held until its watchdog finds the work completed).
-        On gloo only the future is kept and waited for: ``work.wait()`` inside the future's callback, on the
-        thread that completes the work, would wait for itself, and a work handle still referenced when the
-        interpreter exits can abort it."""
+        On gloo only the future is waited for: ``work.wait()`` inside the future's callback, on the thread that
+        completes the work, would wait for itself."""
         try:
             future.wait()
             if work is not None:

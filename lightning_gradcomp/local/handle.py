@@ -67,19 +67,22 @@ class LocalUpdateHandle(GradCompHandle):
         twice), and from then on every call counts one iteration, also one whose optimizer step a
         ``GradScaler`` skipped, so that the schedule stays the same on every rank: with a GradScaler, call
         it every iteration."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-            if self._counted_by_hook:
-                self._counted_by_hook = False
-                return self._last_synced
+        if self._stop_counting_optimizer_steps() and self._counted_by_hook:
+            self._counted_by_hook = False
+            return self._last_synced
         return self.loop.step()
+
+    def _stop_counting_optimizer_steps(self) -> bool:
+        """Remove the optimizer's step hook; whether there was one."""
+        if self._hook is None:
+            return False
+        self._hook.remove()
+        self._hook = None
+        return True
 
     def close(self) -> None:
         """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._stop_counting_optimizer_steps()
         super().close()
 
     def _optimizer_steps(self) -> Optional[int]:
