@@ -176,7 +176,7 @@ def local_update_times(model, batch_shape: tuple, rank: int, method: str, steps:
     return times
 
 
-#: bytes handed to torch.distributed per optimizer step by the local-update methods (written with the times)
+#: bytes sent (the package's definition) per optimizer step by the local-update methods (written with the times)
 BYTES_PER_STEP: dict[str, float] = {}
 
 

@@ -40,7 +40,9 @@ class ListBucket:
 
 
 class CollectiveSpy:
-    """Wraps torch.distributed's collectives and records the bytes of every input tensor handed to them."""
+    """Wraps torch.distributed's collectives and records the bytes each sends from this rank, counted here
+    from the tensors handed to them: every input tensor's bytes, less an all-to-all's own row (row ``r`` of
+    rank ``r``'s input never leaves the process). ``calls``: ``(collective, dtype, input elements)``."""
 
     NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all_single")
 
@@ -60,7 +62,10 @@ class CollectiveSpy:
                 tensor = args[0] if _name == "all_reduce" else args[1]
                 tensors = tensor if isinstance(tensor, list) else [tensor]
                 for t in tensors:
-                    self.bytes += t.numel() * t.element_size()
+                    nbytes = t.numel() * t.element_size()
+                    if _name == "all_to_all_single":
+                        nbytes -= nbytes // dist.get_world_size(kwargs.get("group"))
+                    self.bytes += nbytes
                     self.calls.append((_name, t.dtype, t.numel()))
                 return _original(*args, **kwargs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import QSGD, FP4AllReduce, FP8AllReduce, Int4AllReduce, Int8AllReduce
+from lightning_gradcomp.compressors import QSGD, FP4AllReduce, FP8AllReduce, Int4AllReduce, Int8AllReduce, NoCompression
 from lightning_gradcomp.compressors.quantised import OWNER_RESIDUAL, _ChunkPlan
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import SimulatedExchange
@@ -70,6 +70,28 @@ def test_bytes_on_the_wire_stay_flat_in_the_number_of_workers_where_gathering_gr
         assert ring / 4 <= quantised <= ring / 4 * 1.05, (ring, quantised)
     assert qsgd[-1] > 7 * qsgd[0]  # every worker receives N - 1 payloads
     assert qsgd[0] < int8[0] and qsgd[-1] > int8[-1]  # 6-bit QSGD stops paying between 2 and 16 workers
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_bytes_sent_against_fp32_are_the_formats_ratio_whatever_the_workers(name: str, workers: int) -> None:
+    """``step_stats`` counts what leaves each worker: the all-to-all's rows for the N - 1 others and the
+    all-gather of its own re-quantised chunk, ``d (b/8 + 4/B)`` in all, plus the finiteness flag: against
+    fp32, 3.9x at 8 bits and 7.8x at 4 bits, at every N (counting the all-to-all's own row, which never
+    leaves the worker, int8 read 2.6x at 2 workers and 3.1x at 4)."""
+    numel = 2**16  # whole chunks of whole blocks up to 8 workers: nothing padded
+    code_bytes = 0.5 if name.startswith(("int4", "fp4")) else 1.0
+    quantised = SimulatedExchange(MAKERS[name](), workers, min_compress_numel=1)
+    dense = SimulatedExchange(NoCompression(), workers, min_compress_numel=1)
+    grads = _grads(workers, 0, numel)
+    _step(quantised, grads)
+    _step(dense, grads)
+    # the bucket's fp32 finiteness flag: in the all-gather's buffer (aligned to 8 bytes), in the dense all-reduce
+    assert quantised.step_stats.bytes_sent == numel * (code_bytes + 4 / 256) + 8
+    assert dense.step_stats.bytes_sent == 4 * numel + 4
+    ratio = 4 / (code_bytes + 4 / 256)  # to within the flags' few bytes
+    assert quantised.step_stats.compression_ratio == pytest.approx(ratio, rel=1e-3)
+    assert dense.step_stats.bytes_sent / quantised.step_stats.bytes_sent == pytest.approx(ratio, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))

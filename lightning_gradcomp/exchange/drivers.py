@@ -1,12 +1,15 @@
-"""The drivers of the exchange engine: the collectives, and the count of the bytes handed to them.
+"""The drivers of the exchange engine: the collectives, and the count of the bytes they send.
 
 * :class:`TorchDriver` issues them through ``torch.distributed`` (inside the DDP hook).
 * :class:`InProcessDriver` runs N simulated workers' exchanges in lock-step on one device and combines
   their collectives in process (a sum in worker order, a stack).
 
-Both count ``bytes_sent`` from the tensors they are handed (payloads, padding and size headers), so a
-real run and a simulation with the same buckets report the same bytes by construction. What the network
-then carries depends on the collective's algorithm; see :mod:`lightning_gradcomp.metrics.netmodel`.
+Both count ``bytes_sent`` from the tensors they are handed (payloads, padding and size headers) by the
+package's one definition, :func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent` (an all-reduce
+or all-gather sends its input, an all-to-all its rows for the other ranks: its own row stays), and log
+each collective's ``(kind, input bytes)``, so a real run and a simulation with the same buckets report
+the same bytes by construction. What the network then carries depends on the collective's algorithm;
+see :mod:`lightning_gradcomp.metrics.netmodel`.
 
 Ordering: :class:`TorchDriver` issues every collective from the calling thread, at once, never from a
 future's callback. DDP calls the hook bucket by bucket in the same order on every rank, and the engine's
@@ -38,6 +41,7 @@ from torch.futures import Future
 
 from lightning_gradcomp.core.device import on_stream
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Collective, CollectiveRound
+from lightning_gradcomp.metrics.stats import collective_bytes_sent
 
 
 class CollectiveError(RuntimeError):
@@ -45,9 +49,10 @@ class CollectiveError(RuntimeError):
 
 
 class _ByteCounter:
-    """``bytes_sent`` and the ``(kind, bytes)`` log of every collective handed over; with a ``scope``
-    (``"node"``, ``"cross"``: which processes take part, see :mod:`lightning_gradcomp.metrics.netmodel`) the kinds
-    are logged as ``"<scope>:<kind>"``."""
+    """``bytes_sent`` (:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`) and the
+    ``(kind, input bytes)`` log of every collective handed over; with a ``scope`` (``"node"``, ``"cross"``:
+    which processes take part, see :mod:`lightning_gradcomp.metrics.netmodel`) the kinds are logged as
+    ``"<scope>:<kind>"``."""
 
     def __init__(self, scope: str = "") -> None:
         self.bytes_sent = 0
@@ -55,9 +60,11 @@ class _ByteCounter:
         self._log: list[tuple[str, int]] = []
         self._lock = threading.Lock()  # the exchange thread counts while the training thread takes the log
 
-    def count(self, collective: Collective) -> None:
+    def count(self, collective: Collective, world_size: int) -> None:
+        """Count ``collective``, issued among ``world_size`` ranks."""
+        sent = collective_bytes_sent(collective.kind, collective.nbytes, world_size)
         with self._lock:
-            self.bytes_sent += collective.nbytes
+            self.bytes_sent += sent
             self._log.append((f"{self.scope}:{collective.kind}" if self.scope else collective.kind, collective.nbytes))
 
     def take_log(self) -> list[tuple[str, int]]:
@@ -146,7 +153,7 @@ class TorchDriver(_ByteCounter):
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective, Optional[dist.Work]]:
         """Issue ``collective``: its future, where its result lands, the collective, and (NCCL only: see
         :meth:`_wait`) its work handle."""
-        self.count(collective)
+        self.count(collective, self.world_size)
         tensor = collective.tensor
         if collective.kind == "all_reduce":
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
@@ -187,7 +194,7 @@ class InProcessDriver:
     ``all_reduce`` is a sum in worker order; ``all_gather`` stacks the workers' tensors; ``all_to_all``
     hands worker ``w`` row ``w`` of every worker's tensor. Every worker receives the same tensors for
     the first two (protocols treat results as read-only). Bytes are counted per worker, exactly as
-    :class:`TorchDriver` counts them on each rank.
+    :class:`TorchDriver` counts them on each rank (among ``workers`` ranks).
     """
 
     def __init__(self, workers: int) -> None:
@@ -215,7 +222,7 @@ class InProcessDriver:
         if len(tensors) != self.workers:
             raise RuntimeError(f"InProcessDriver.all_reduce: {len(tensors)} tensors for {self.workers} workers")
         for counter, tensor in zip(self.counters, tensors):
-            counter.count(Collective("all_reduce", tensor))
+            counter.count(Collective("all_reduce", tensor), self.workers)
         total = tensors[0]
         for tensor in tensors[1:]:
             total.add_(tensor)
@@ -252,7 +259,7 @@ class InProcessDriver:
                     f"{[(c.kind, c.tensor.dtype, c.tensor.numel()) for c in first]}"
                 )
             for collective in turn.collectives:
-                self.counters[worker].count(collective)
+                self.counters[worker].count(collective, self.workers)
         results: list[list[Tensor]] = [[] for _ in turns]
         for position, collective in enumerate(first):
             tensors = [turn.collectives[position].tensor for turn in turns]

@@ -51,6 +51,7 @@ from lightning_gradcomp.core.segments import Segments
 from lightning_gradcomp.core.tensors import all_finite_many, Finite, flag_vector
 from lightning_gradcomp.exchange import wire
 from lightning_gradcomp.exchange.pipeline import WorkerPipeline
+from lightning_gradcomp.metrics.stats import collective_bytes_sent
 from lightning_gradcomp.metrics.telemetry import Stopwatch
 
 
@@ -89,7 +90,8 @@ class CollectiveRound:
 
 @dataclass
 class BucketReport:
-    """What one worker's exchange of one bucket did (the driver counts the bytes)."""
+    """What one worker's exchange of one bucket did (the driver counts the bytes sent; ``bytes_dense``: what
+    DDP's all-reduce of the bucket's gradients would send, by the same definition)."""
 
     elements_sent: int
     elements_total: int
@@ -184,7 +186,8 @@ class ExchangeEngine:
         return BucketReport(
             elements_sent=sum(sent),
             elements_total=sum(entry.grad.numel() for entry in entries),
-            bytes_dense=sum(entry.grad.numel() * entry.grad.element_size() for entry in entries),
+            bytes_dense=sum(collective_bytes_sent("all_reduce", entry.grad.numel() * entry.grad.element_size(),
+                                                  world_size) for entry in entries),
         )
 
     def _compressed(self, entry: Entry) -> bool:

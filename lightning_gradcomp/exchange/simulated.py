@@ -13,7 +13,7 @@ from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
 from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
-from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.stats import logged_bytes_sent, StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 
@@ -32,7 +32,9 @@ class SimulatedExchange:
     logged as ``cross:<kind>`` next to the two dense ``node:all_reduce`` of the bucket inside the node,
     and ``bytes_sent`` is per process (the node's payloads are shared out among its ``L`` processes).
 
-    Bytes are counted by the driver from the tensors each worker hands over, as on a real rank. Step
+    Bytes are counted from the tensors each worker hands over to the driver, by the definition of a real
+    rank (:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`: an all-to-all's own row is not
+    sent). Step
     figures are averages over workers, like the real strategy's logged figures. Memory: per worker its
     residuals and compressor state, and, until the step's exchange ends, what its protocol holds (for
     uncompressed or cast exchanges, its gradient).
@@ -119,7 +121,7 @@ class SimulatedExchange:
         workers = self.workers
         stats = StepStats(
             steps=1, buckets=1,
-            bytes_sent=sum(nbytes for log in logs for _, nbytes in log) / workers / self.local_size,
+            bytes_sent=sum(logged_bytes_sent(log, workers) for log in logs) / workers / self.local_size,
             bytes_dense=reports[0].bytes_dense,
             elements_sent=sum(report.elements_sent for report in reports) / workers,
             elements_total=reports[0].elements_total,

@@ -1,8 +1,10 @@
 r"""Communication-time model: how long a collective takes on a given network.
 
-Notation: ``N`` workers, ``S`` bytes (the input of the collective on one worker), link bandwidth ``B``
-(bytes/s), per-message latency ``α``. The classic alpha-beta cost model (Thakur, Rabenseifner & Gropp,
-2005) gives, for the topologies of Harris 2020 (§4.3.1) and the DDP world:
+Notation: ``N`` workers, ``S`` bytes (the input of the collective on one worker, as the collectives'
+logs hold it; the bytes *sent*, :func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`, are
+``S`` as well except for an all-to-all, ``(N-1)/N S``), link bandwidth ``B`` (bytes/s), per-message
+latency ``α``. The classic alpha-beta cost model (Thakur, Rabenseifner & Gropp, 2005) gives, for the
+topologies of Harris 2020 (§4.3.1) and the DDP world:
 
 * ring all-reduce (reduce-scatter then all-gather):
   :math:`T = 2(N-1)\,α + 2\frac{N-1}{N}\frac{S}{B}`

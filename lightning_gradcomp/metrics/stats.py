@@ -1,9 +1,25 @@
-"""The figures of one synchronisation step, and their running totals."""
+"""The figures of one synchronisation step, and their running totals; what "bytes sent" means.
+
+Bytes sent (:func:`collective_bytes_sent`, the one definition behind every ``bytes_sent`` of the package:
+:class:`StepStats`, the drivers' counters, the simulation, the end-of-training summary, ``gradcomp
+estimate``): per collective, the bytes of this rank's own data that the collective delivers to other
+ranks, each byte counted once however the collective's algorithm routes it — the whole input of an
+``all_reduce`` or an ``all_gather``, and of an ``all_to_all`` the rows addressed to the other ranks
+(``(N - 1)/N`` of the input; the rank's own row never leaves the process). ``bytes_dense``, DDP's fp32
+all-reduce of the same gradients, is the bytes sent of that all-reduce by the same definition.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Iterable
+
+#: The collectives the exchange issues (a driver's log may scope them ``node:`` or ``cross:``).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all")
+#: The scope of the collectives inside a node (the hierarchical exchange): they cross no network.
+NODE_SCOPE = "node"
+#: The scopes a logged collective may carry ("": every rank of the exchange).
+SCOPES = ("", NODE_SCOPE, "cross")
 
 #: Numeric fields of :class:`StepStats`, in the order of :meth:`StepStats.as_list`.
 NUMERIC_FIELDS = (
@@ -29,9 +45,10 @@ class StepStats:
     Attributes:
         steps: synchronisation steps counted (1 for one step's figures).
         buckets: DDP buckets exchanged.
-        bytes_sent: bytes of the tensors this rank handed to ``torch.distributed`` (payloads, padding,
-            count headers, dense tensors).
-        bytes_dense: bytes plain DDP would have all-reduced for the same gradients.
+        bytes_sent: bytes this rank sent (:func:`collective_bytes_sent`, summed over its collectives:
+            payloads, padding, count headers, dense tensors; an all-to-all's own row not counted).
+        bytes_dense: bytes plain DDP's fp32 all-reduce would have sent for the same gradients (the
+            same definition: an all-reduce sends its input).
         elements_sent: coordinates represented by the payloads (``k`` for a sparsifier), plus the
             elements of tensors sent dense.
         elements_total: elements of all gradients.
@@ -39,8 +56,9 @@ class StepStats:
             (recorded while telemetry is on).
         grad_sq: ``Σ ‖p_t‖²`` over parameters (recorded while telemetry is on).
         compress_s / decompress_s: time spent compressing (with error feedback) and decoding.
-        collectives: ``(kind, bytes)`` of every collective this rank issued (``all_reduce`` or
-            ``all_gather``, bytes of its input), for a network model.
+        collectives: ``(kind, bytes)`` of every collective this rank issued (``all_reduce``,
+            ``all_gather`` or ``all_to_all``, bytes of its input), for a network model; the bytes
+            sent follow from it (:func:`logged_bytes_sent`).
         layers: per-parameter figures, on steps where they were asked for.
     """
 
@@ -114,3 +132,51 @@ class StepStats:
 
 
 assert set(NUMERIC_FIELDS) <= {f.name for f in fields(StepStats)}
+
+
+def collective_bytes_sent(kind: str, input_bytes: int, world_size: int) -> int:
+    """The bytes one rank sends in one collective of ``kind`` on ``input_bytes`` bytes among ``world_size``
+    ranks: the bytes of its own data that the collective delivers to other ranks, each counted once.
+
+    * ``all_reduce``: ``input_bytes`` (every rank's result depends on the whole input). DDP's fp32
+      all-reduce of the gradients, ``bytes_dense``, counts the same way.
+    * ``all_gather``: ``input_bytes`` (this rank's row of the result, which every other rank receives).
+    * ``all_to_all``: ``(N - 1)/N`` of ``input_bytes``: the input is ``N`` equal rows, row ``c`` for rank
+      ``c``, and the rank's own row never leaves the process.
+
+    The first two are counted whatever ``N``, one rank included (the payload a rank contributes, so that
+    a method's ratio against ``bytes_dense`` does not depend on ``N``); a lone rank's all-to-all sends 0.
+    The bytes a link carries depend on the algorithm as well (a ring all-reduce moves about twice its
+    input per rank, a ring all-gather relays every row ``N - 1`` times); the network model
+    (:mod:`lightning_gradcomp.metrics.netmodel`) prices the time of each collective from its input.
+
+    Raises:
+        ValueError: an unknown ``kind``, a negative ``input_bytes``, ``world_size < 1``, or an all-to-all
+            input that is not ``world_size`` equal rows.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be an integer >= 1, got {world_size!r}")
+    if isinstance(input_bytes, bool) or not isinstance(input_bytes, int) or input_bytes < 0:
+        raise ValueError(f"`input_bytes` must be an integer >= 0, got {input_bytes!r}")
+    if kind in ("all_reduce", "all_gather"):
+        return input_bytes
+    if kind == "all_to_all":
+        if input_bytes % world_size:
+            raise ValueError(f"an all_to_all's input is {world_size} equal rows; got {input_bytes} bytes")
+        return input_bytes - input_bytes // world_size
+    raise ValueError(f"`kind` must be one of {', '.join(COLLECTIVE_KINDS)}, got {kind!r}")
+
+
+def logged_bytes_sent(collectives: Iterable[tuple[str, int]], world_size: int) -> int:
+    """The bytes sent (:func:`collective_bytes_sent`) of a log of ``(kind, input bytes)``: a driver's, or
+    :attr:`StepStats.collectives`. ``world_size``: the ranks of the log's collectives (for the
+    hierarchical exchange's ``cross:`` ones, the processes of one local rank, one per node). Collectives
+    scoped ``node:`` run inside a node, cross no network and are not counted."""
+    total = 0
+    for kind, nbytes in collectives:
+        scope, _, base = kind.rpartition(":")
+        if scope not in SCOPES:
+            raise ValueError(f"a logged collective's scope must be one of {SCOPES}, got {kind!r}")
+        if scope != NODE_SCOPE:
+            total += collective_bytes_sent(base, int(nbytes), world_size)
+    return total

@@ -7,9 +7,11 @@ It measures, on this machine, one forward + backward pass and SGD step of the mo
 every compressor's own cost on the model's gradients: the exchange of one step through the same engine as
 the DDP hook, with ``min(N, 8)`` workers simulated in process, timed on one of them (its compression,
 and its decoding of the aggregate; the engine's stopwatches, so the other simulated workers' work and
-the in-process combining of their collectives, the simulation's own costs, are not counted). The bytes
-and collectives of that step, priced by :mod:`lightning_gradcomp.metrics.netmodel` for ``N`` workers,
-give the communication time. The prediction assumes no overlap of communication with backward:
+the in-process combining of their collectives, the simulation's own costs, are not counted). The
+collectives of that step, priced by :mod:`lightning_gradcomp.metrics.netmodel` for ``N`` workers, give
+the communication time; its bytes sent are those a run's ``step_stats`` reports (one definition,
+:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`: an all-to-all's own row is not sent).
+The prediction assumes no overlap of communication with backward:
 
 .. math::  T_{step} = T_{fwd+bwd+opt} + T_{compress+decode} + T_{comm}(N, B, α)
 
@@ -47,6 +49,7 @@ from torch import nn
 from lightning_gradcomp.compressors import Compressor, NoCompression
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.metrics.netmodel import TOPOLOGIES, Network
+from lightning_gradcomp.metrics.stats import logged_bytes_sent
 from lightning_gradcomp.tools.presets import preset_root
 
 #: The compressors priced by default (one or two settings per family; ``--compressors all`` prices every
@@ -183,8 +186,8 @@ class Exchange:
     name: str
     compressor: Optional[Compressor]  # None: plain DDP (PyTorch's all-reduce, or its 16-bit hooks)
     seconds: float  # one worker's compression + decoding
-    bytes_sent: float  # per worker
-    collectives: list[tuple[str, int]]
+    bytes_sent: float  # per worker, as ``step_stats`` counts them (metrics.stats.collective_bytes_sent)
+    collectives: list[tuple[str, int]]  # (kind, input bytes), priced by the network model
     simulated_workers: int
     sync_every: int = 1  # local updates: one exchange every ``sync_every`` optimizer steps
 
@@ -193,10 +196,11 @@ class Exchange:
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 
 
-def ddp_exchange(name: str, gradients: list[tuple[str, torch.Tensor]], itemsize: int) -> Exchange:
-    """Plain DDP: one all-reduce per bucket of ``itemsize``-byte values (fp32: 4; PyTorch's bf16 and fp16
-    hooks: 2), filled in reverse parameter order as DDP fills them, and no compression cost (the casts
-    of the 16-bit hooks are one pass over the gradients, left out)."""
+def ddp_exchange(name: str, gradients: list[tuple[str, torch.Tensor]], itemsize: int, workers: int) -> Exchange:
+    """Plain DDP among ``workers``: one all-reduce per bucket of ``itemsize``-byte values (fp32: 4; PyTorch's
+    bf16 and fp16 hooks: 2), filled in reverse parameter order as DDP fills them, and no compression cost
+    (the casts of the 16-bit hooks are one pass over the gradients, left out). Its bytes sent are counted
+    as a rank's (:func:`~lightning_gradcomp.metrics.stats.logged_bytes_sent`)."""
     collectives: list[tuple[str, int]] = []
     bucket, cap = 0, DDP_FIRST_BUCKET_BYTES
     for _, grad in reversed(gradients):
@@ -206,7 +210,7 @@ def ddp_exchange(name: str, gradients: list[tuple[str, torch.Tensor]], itemsize:
             bucket, cap = 0, DDP_BUCKET_BYTES
     if bucket:
         collectives.append(("all_reduce", bucket))
-    return Exchange(name, None, 0.0, float(sum(nbytes for _, nbytes in collectives)), collectives, 0)
+    return Exchange(name, None, 0.0, float(logged_bytes_sent(collectives, workers)), collectives, 0)
 
 
 def measure_exchange(name: str, compressor: Compressor, gradients: list[tuple[str, torch.Tensor]], workers: int,
@@ -360,7 +364,7 @@ def run(argv: Optional[list[str]] = None) -> list[Prediction]:
     compute_s = measure_compute(model, batch_shape, getattr(torch, args.input_dtype), device, args.repeats)
     gradients = [(name, p.grad.detach().clone()) for name, p in model.named_parameters() if p.grad is not None]
     numel = sum(grad.numel() for _, grad in gradients)
-    exchanges = [ddp_exchange(name, gradients, itemsize) for name, itemsize in BASELINES.items()]
+    exchanges = [ddp_exchange(name, gradients, itemsize, args.workers) for name, itemsize in BASELINES.items()]
     exchanges += [measure_exchange(name, compressor, gradients, args.workers, args.repeats)
                   for name, compressor in compressors.items()]
     if args.sync_every:
