@@ -165,6 +165,25 @@ class Compressor(ABC):
     #: ``ctx.finite`` before it returns, so the engine skips its own pass over the tensor. ``ctx.finite``
     #: is ``None`` until then; such a compressor must not read it first.
     checks_finite: ClassVar[bool] = False
+    #: What else than a NaN or Inf in the gradient makes this compressor's payload non-finite, for the
+    #: non-finite warning of the DDP hook (FP16: a value beyond ±65504, which the cast turns into inf).
+    nonfinite_hint: ClassVar[str] = ""
+
+    @property
+    def produces_signs(self) -> bool:
+        """Whether the aggregate handed to the optimizer is a vector of signs (every coordinate ±1 or 0,
+        whatever the gradient's size: DeMo's, signSGD's with ``scale="none"``). Its norm is about ``√d``,
+        so clipping it by norm (``Trainer(gradient_clip_val=...)``, ``clip_grad_norm_``) shrinks every step
+        by about that factor and training stops; the Trainer strategies refuse it
+        (:func:`~lightning_gradcomp.lightning.options.check_gradient_clipping`)."""
+        return False
+
+    @property
+    def awaits_optimizer(self) -> bool:
+        """Whether the compressor reads the optimizer that :meth:`check_optimizer` binds (DeMo's learning
+        rate) and none is bound yet: :func:`~lightning_gradcomp.register`'s handle warns at the first
+        exchange (``handle.bind(optimizer)`` binds it)."""
+        return False
 
     @property
     def keeps_state(self) -> bool:

@@ -18,7 +18,9 @@ moments: DeMo's momentum replaces them, :meth:`DeMo.check_optimizer` refuses the
 ``SGD(lr=η, weight_decay=λ)`` computes ``p ← p − η·(ĝ + λ·p) = p·(1 − η·λ) − η·ĝ``, steps 1 and 7 exactly.
 Step 2 reads ``η`` from that optimizer (its first parameter group, at every step), so the momentum
 weighs each gradient by its step's learning rate as the reference does; the strategies bind it when
-they check the optimizer, a bare ``register()`` user calls ``compressor.check_optimizer(optimizer)``.
+they check the optimizer, a bare ``register()`` user calls ``gradcomp.bind(optimizer)`` before the first
+backward (the handle warns at the first exchange when none is bound, and checks and binds the first
+optimizer that steps the model, one step late).
 Unbound (as the outer compressor of local updates, whose outer gradients already carry the learning
 rate), ``η = 1`` in step 2. Parameter groups whose learning rates keep constant ratios (any scheduler
 that scales them alike) select the same coefficients and signs as with their own ``η``: per tile the
@@ -214,7 +216,9 @@ class DeMo(Compressor):
     """DeMo: each worker's momentum, sent as its ``k`` largest DCT coefficients per tile; the optimizer
     steps along the sign of their aggregate (see the module docstring for the seven steps).
 
-    Use it with ``torch.optim.SGD(lr, weight_decay)`` and no momentum.
+    Use it with ``torch.optim.SGD(lr, weight_decay)`` and no momentum, and without gradient clipping: the
+    sign already bounds each coordinate's step to ``±lr``, and clipping the ±1s by norm (about ``√d``)
+    would shrink every step by that factor (the Trainer strategies refuse ``gradient_clip_val``).
 
     Args:
         chunk: the tile edge to aim for (64): tiles are the largest divisors of each dimension at most this.
@@ -271,6 +275,18 @@ class DeMo(Compressor):
             raise ValueError(f"DeMo's step is SGD's along the sign of the aggregate, but the optimizer is "
                              f"{type(optimizer).__name__}; {allowed}")
         self._optimizer = weakref.ref(optimizer)
+
+    @property
+    def produces_signs(self) -> bool:
+        """With ``sign=True`` the optimizer steps along signs (±1 per coordinate): gradient clipping by
+        norm would shrink every step by about ``√d``."""
+        return self.sign
+
+    @property
+    def awaits_optimizer(self) -> bool:
+        """Step 2 reads the learning rate of the optimizer :meth:`check_optimizer` bound; none is bound
+        (or it was deleted): ``η = 1``."""
+        return self._optimizer is None or self._optimizer() is None
 
     def _learning_rate(self) -> Any:
         """``η`` of step 2: the bound optimizer's first group's learning rate (1 when unbound)."""

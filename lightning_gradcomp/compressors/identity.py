@@ -4,7 +4,10 @@
 ``fp16_compress_hook`` they cast every tensor of a bucket, small ones included (one all-reduce per
 bucket), and the engine divides by the world size before the 16-bit all-reduce, so the
 sum stays within range whenever each worker's value does; a gradient element beyond fp16's ±65504
-still overflows in the cast (prefer ``BF16``, with fp32's range, for such models).
+still overflows in the cast (prefer ``BF16``, with fp32's range, for such models). ``FP16`` checks the
+finiteness of what it sends, not of the gradient, so such an overflow is a non-finite gradient: the
+bucket's result is NaN on every worker, its memory is unchanged, and the hook warns (asynchronously, as
+for a NaN: no host synchronisation), naming fp16's range.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
+from lightning_gradcomp.compressors.base import all_finite, CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import Mean, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
+from lightning_gradcomp.core.tensors import all_finite_many
 
 
 class _DenseSegments(Compressor):
@@ -45,9 +49,14 @@ class _DenseSegments(Compressor):
         on the CPU, where it costs nothing more."""
         return None if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()) else 1
 
+    def _check_sent(self, sent: Tensor, segments: Segments, contexts: Sequence[CompressContext]) -> None:
+        """Set each context's ``finite`` from what is sent, where the compressor :attr:`checks_finite`
+        (FP16: a value beyond the wire format's range becomes inf in the cast); nothing by default."""
+
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
         sent = flat.to(self._wire(contexts[0], flat))
+        self._check_sent(sent, segments, contexts)
         (mean,) = yield Round([Mean(sent)], last=True)
 
         def write(out: Tensor) -> None:
@@ -133,10 +142,46 @@ class _Cast(_DenseSegments):
 
 
 class FP16(_Cast):
-    """IEEE half precision (5-bit exponent): 2x fewer bytes than fp32, range ±65504."""
+    """IEEE half precision (5-bit exponent): 2x fewer bytes than fp32, range ±65504.
+
+    The finiteness of a gradient is judged on its cast (one reduction of the 2-byte values, in place of
+    the engine's pass over the gradient): a value beyond ±65504 becomes inf there, and the bucket is
+    treated as non-finite (NaN results on every worker, memory unchanged, a warning) instead of sending
+    inf silently."""
 
     name = "fp16"
     wire_dtype = torch.float16
+    checks_finite = True
+    nonfinite_hint = ("compressor 'fp16' casts the gradients to fp16, whose range is ±65504: a value beyond it "
+                      "becomes inf in the cast and counts as non-finite. If the gradients are fp32 and that large, "
+                      "use compressor 'bf16' (fp32's range in as many bytes), or scale the loss down")
+
+    def _owner(self) -> type:
+        return FP16
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        """The cast, and the finiteness of the cast (inf where the gradient exceeds ±65504)."""
+        payload = super().compress(tensor, ctx)
+        ctx.finite = all_finite(payload.parts[0])
+        return payload
+
+    def dense(self, tensor: Tensor, ctx: CompressContext) -> Tensor:
+        """The cast of a tensor sent dense; its finiteness is the cast's (the gradient's is implied)."""
+        sent = super().dense(tensor, ctx)
+        ctx.finite = all_finite(sent)
+        return sent
+
+    def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
+                       state: SegmentsState) -> Optional[Tensor]:
+        """One cast of the small tensors' flat buffer; their finiteness is the cast's (one multi-tensor
+        max-norm of the 2-byte values: a few kernels per bucket, no host read)."""
+        sent = super().dense_segments(flat, segments, contexts, state)
+        self._check_sent(sent, segments, contexts)
+        return sent
+
+    def _check_sent(self, sent: Tensor, segments: Segments, contexts: Sequence[CompressContext]) -> None:
+        for ctx, finite in zip(contexts, all_finite_many(segments.views(sent))):
+            ctx.finite = finite
 
     def check_gradient_dtype(self, dtype: torch.dtype) -> None:
         """Refuse bfloat16 gradients: as many bytes in fp16, and values beyond ±65504 would become infinite."""

@@ -186,6 +186,13 @@ class SignSGD(_ScaledSigns):
         """Signum keeps its momentum across steps."""
         return self.momentum > 0
 
+    @property
+    def produces_signs(self) -> bool:
+        """With ``scale="none"`` the aggregate is the bare vote (±1 or 0 per coordinate): gradient clipping
+        by norm would shrink every step by about ``√d``. With ``scale="mean"`` its size is the gradients'
+        (at most their norm), and clipping works as on a gradient."""
+        return self.scale == "none"
+
     def check_optimizer(self, optimizer: Optimizer) -> None:
         """Signum holds the momentum: refuse an optimizer that applies its own on top."""
         if not self.momentum:

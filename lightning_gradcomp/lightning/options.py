@@ -129,6 +129,41 @@ def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: li
         )
 
 
+def check_gradient_clipping(compressor: Compressor, trainer: Any) -> None:
+    """Refuse the Trainer's gradient clipping (``gradient_clip_val > 0``) after a compressor whose aggregate
+    is signs (:attr:`~lightning_gradcomp.compressors.base.Compressor.produces_signs`: DeMo, SignSGD with
+    ``scale="none"``); see :func:`check_clipping_after_signs`. Called when ``fit`` starts."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0:
+        return  # None or 0: Lightning does not clip (it refuses a value that is not a number itself)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    algorithm = getattr(algorithm, "value", algorithm) or "norm"
+    check_clipping_after_signs(compressor, f"gradient_clip_val={clip!r} (gradient_clip_algorithm={algorithm!r})",
+                               "gradient_clip_val=None (or 0)")
+
+
+def check_clipping_after_signs(compressor: Compressor, setting: str, instead: str) -> None:
+    """Refuse ``setting``, a clipping of what the exchange hands the optimizer, when ``compressor``'s
+    aggregate is signs (``instead``: the setting that does not clip, for the message).
+
+    A vector of ±1s has a norm of about ``√d`` whatever the gradient, so ``clip_grad_norm_(..., c)``
+    multiplies every step by about ``c/√d`` (DeMo on a model of 360k parameters with ``c = 1``: about 600
+    times smaller steps, and the model stops learning); clipping by value only rescales the ±1s by a
+    constant, or leaves them. Scaled signs (SignSGD's default ``scale="mean"``, EFSignSGD) keep the
+    gradients' size and are clipped as gradients.
+    """
+    if not compressor.produces_signs:
+        return
+    raise ValueError(
+        f"{setting} clips what {compressor!r} hands the optimizer, which is signs: every coordinate ±1, a norm of "
+        "about √d whatever the gradient, so clipping by norm shrinks every step by about √d / max_norm (about 600x "
+        "for 360k parameters) and the model stops learning, and clipping by value only rescales the ±1s (the sign "
+        f"already bounds each coordinate's step to ±lr: tune the learning rate instead); allowed: {instead} with "
+        "this compressor, or clipping with a compressor whose aggregate keeps the gradients' size "
+        "(SignSGD(scale='mean'), EFSignSGD, DeMo(sign=False), topk, ...)"
+    )
+
+
 def local_update_ddp_kwargs(kwargs: dict[str, Any], hierarchy: str, exchange_thread: Optional[bool]) -> dict[str, Any]:
     """DDP's arguments under local updates: no buffer broadcast (buffers are averaged at each
     synchronisation); refuse the options that have no meaning there."""
