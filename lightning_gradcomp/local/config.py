@@ -13,18 +13,29 @@ With ``H = 1`` and outer SGD at lr 1 without momentum, ``θ_global − Δ̄`` is
 parameters after one step: the per-step exchange of ``lr·g`` (see ``tests/test_local_updates.py``).
 
 Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv
-2501.18512): the parameters are split into ``F`` fragments (strided groups of layers) that synchronise on
-a staggered schedule, fragment ``f`` after inner steps ``t ≡ (f+1)·H/F (mod H)``; the exchange of a
-fragment overlaps the next ``τ = delay`` inner steps (it runs on the exchange thread), and its result is
-merged as ``θ_f ← (1 − α)·θ_global,f + α·θ_f`` with the worker's parameters of that moment. ``F = 1``,
-``τ = 0`` is DiLoCo. The paper sends outer gradients as 4-bit floats (``compressor="fp4"``) accumulated
-in fp32.
+2501.18512): the parameters are split into ``F`` fragments that synchronise on a staggered schedule,
+fragment ``f`` around inner steps ``t ≡ (f+1)·H/F (mod H)``; the exchange of a fragment overlaps ``τ =
+delay`` inner steps (it runs on the exchange thread), and its result is merged as ``θ_f ← (1 − α)·θ_global,f
++ α·θ_f`` with the worker's parameters of that moment. ``F = 1``, ``τ = 0`` is DiLoCo. The paper sends
+outer gradients as 4-bit floats (``compressor="fp4"``) accumulated in fp32.
+
+Fragments (``fragments=``): by default, as the paper's, strided groups of whole blocks: the blocks of the
+model's stacks of repeated blocks (a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` of one block class,
+e.g. ``nn.TransformerEncoder.layers``), block ``i`` to fragment ``i mod F``; or the user's own groups of
+modules (names, config-friendly, or the modules). See
+:func:`~lightning_gradcomp.local.fragments.fragment_assignment`.
+
+Where the ``τ`` overlapped steps lie (``overlap=``): ``"after"`` (default, the paper's Algorithm 2 as
+written): fragment ``f``'s exchange starts after step ``t ≡ (f+1)·H/F`` and is merged ``τ`` steps later;
+``"before"`` (torchft's ``DiLoCo(fragment_sync_delay=τ)`` schedule): it starts ``τ`` steps earlier, after
+step ``t ≡ (f+1)·H/F − τ``, and is merged after step ``t ≡ (f+1)·H/F``, so that every fragment is merged at
+the end of each window of ``H`` steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -34,6 +45,16 @@ from lightning_gradcomp.core.checks import check_int
 
 #: builds the outer optimizer from the global parameters, e.g. ``functools.partial(torch.optim.SGD, lr=1.0)``
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
+
+#: one entry of a user-given fragment: a module's name (``"layers.0"``: the parameters whose names are it or
+#: start with it and a dot; a parameter's own name also works) or the module itself (plain PyTorch)
+FragmentEntry = Union[str, torch.nn.Module]
+
+#: ``fragments``: their number ``F``, or the fragments themselves, each a list of entries (or one entry)
+Fragments = Union[int, Sequence[Union[FragmentEntry, Sequence[FragmentEntry]]]]
+
+#: ``overlap``: where the ``delay`` overlapped inner steps lie relative to a fragment's step (1 below)
+OVERLAPS = ("after", "before")
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023, §3): SGD with Nesterov momentum
 DILOCO_OUTER_LR = 0.7
@@ -55,11 +76,28 @@ class LocalUpdates:
             optimizer, e.g. ``functools.partial(torch.optim.SGD, lr=1.0)`` for SparseLoCo's plain outer
             SGD); ``None`` (default): DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
 
-        fragments: ``F``, the number of fragments (Streaming DiLoCo; 1: the whole model at once). Modules
-            are dealt out in turn (module ``i`` to fragment ``i mod F``, in registration order), so each
-            fragment is a strided group of layers; ``sync_every`` must be a multiple of ``F``.
+        fragments: the fragments of Streaming DiLoCo (1, default: the whole model at once). An int ``F``:
+            strided groups of whole blocks, as the paper's: the blocks of the model's stacks of repeated
+            blocks (each ``ModuleList`` / ``Sequential`` / ``ModuleDict`` whose children holding trainable
+            parameters are two or more of one class, outermost stacks only, in registration order) go to
+            fragment ``i mod F`` (block ``i``); the parameters registered before the first block
+            (embeddings) go to fragment 0, the others (final norm, output layer) to fragment ``F − 1``. A
+            model without such stacks, with fewer than ``F`` blocks, or whose blocks hold fewer than half its
+            modules with trainable parameters falls back to its modules dealt out in turn (module ``i`` to
+            fragment ``i mod F``, in registration order: the earlier default). A list: the fragments
+            themselves, each a list of modules or of module names (``[["embed", "layers.0", "layers.2"],
+            ["layers.1", "layers.3", "norm", "head"]]``; names suit configs and survive pickling, modules
+            are matched by identity); every trainable parameter must belong to exactly one fragment.
+            ``sync_every`` must be a multiple of the number of fragments.
         delay: ``τ``, the inner steps a fragment's exchange overlaps before its result is merged (0: merged
-            at once); less than ``sync_every / fragments``.
+            at once); less than ``sync_every / F``.
+        overlap: where the ``τ`` overlapped steps lie. ``"after"`` (default): fragment ``f``'s exchange
+            starts after inner step ``(f+1)·H/F`` of each window (``H = sync_every``) and is merged ``τ``
+            steps later, the last fragment's in the next window. ``"before"``: torchft's schedule
+            (``torchft.local_sgd.DiLoCo(fragment_sync_delay=τ)``, the same fragment order, outer gradients
+            and merge): the exchange starts ``τ`` steps before step ``(f+1)·H/F`` and is merged after it, so
+            every fragment is merged at the end of each window. Both are the paper's algorithm up to this
+            offset; they are the same schedule when ``τ = 0``.
         alpha: ``α`` in ``[0, 1]``, the share of the worker's own parameters kept when a result is merged
             (0: every worker continues from the global parameters, dropping its ``τ`` overlapped steps'
             progress on that fragment).
@@ -71,23 +109,35 @@ class LocalUpdates:
 
     sync_every: int = 100
     outer_optimizer: Optional[OuterOptimizerFactory] = None
-    fragments: int = 1
+    fragments: Fragments = 1
     delay: int = 0
     alpha: float = 0.0
+    overlap: Literal["after", "before"] = "after"
 
     def __post_init__(self) -> None:
         check_int(self.sync_every, "sync_every", 1)
-        check_int(self.fragments, "fragments", 1)
-        if self.sync_every % self.fragments:
-            raise ValueError(f"`sync_every` ({self.sync_every}) must be a multiple of `fragments` ({self.fragments}), "
-                             "so that the fragments synchronise at evenly spaced steps")
-        check_int(self.delay, "delay", 0, self.sync_every // self.fragments - 1)
+        object.__setattr__(self, "fragments", check_fragments(self.fragments))
+        count = self.fragment_count
+        if self.sync_every % count:
+            given = count if isinstance(self.fragments, int) else f"{count} fragments given"
+            raise ValueError(f"`sync_every` ({self.sync_every}) must be a multiple of `fragments` ({given}), so that "
+                             "the fragments synchronise at evenly spaced steps")
+        check_int(self.delay, "delay", 0, self.sync_every // count - 1)
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"`overlap` must be 'after' (a fragment's exchange starts after its step and is merged "
+                             "`delay` steps later) or 'before' (torchft's schedule: it starts `delay` steps before "
+                             f"its step and is merged after it), got {self.overlap!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"`alpha` must be a number in [0, 1], got {self.alpha!r}")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise ValueError("`outer_optimizer` must be None (DiLoCo's Nesterov SGD) or a callable that builds a "
                              "torch.optim.Optimizer from the parameters, e.g. functools.partial(torch.optim.SGD, "
                              f"lr=1.0); got {self.outer_optimizer!r}")
+
+    @property
+    def fragment_count(self) -> int:
+        """``F``, the number of fragments."""
+        return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
 
     def make_outer_optimizer(self, params: list[Tensor]) -> Optimizer:
         """The outer optimizer over the global parameters ``params``."""
@@ -97,6 +147,30 @@ class LocalUpdates:
             raise ValueError("`outer_optimizer` must build a torch.optim.Optimizer; it built "
                              f"{type(optimizer).__name__}")
         return optimizer
+
+
+def check_fragments(value: object) -> Union[int, tuple[tuple[FragmentEntry, ...], ...]]:
+    """``fragments`` validated: an int ``F >= 1``, or a tuple of fragments, each a non-empty tuple of module
+    names (non-empty strings) or modules (a fragment given as one name or module is a fragment of one)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return check_int(value, "fragments", 1)
+    allowed = ("`fragments` must be an integer >= 1 (the number of fragments) or a list of fragments, each a list "
+               "of module names (strings such as 'layers.0') or modules")
+    if isinstance(value, (str, bytes, torch.nn.Module)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(f"{allowed}; got {value!r}")
+    fragments = []
+    for index, fragment in enumerate(value):
+        entries = (fragment,) if isinstance(fragment, (str, torch.nn.Module)) else fragment
+        if isinstance(entries, bytes) or not isinstance(entries, Sequence) or not entries:
+            raise ValueError(f"{allowed}; fragment {index} is {fragment!r}")
+        for entry in entries:
+            if isinstance(entry, str) and not entry:
+                raise ValueError(f"{allowed}; fragment {index} holds an empty name (a module's name, e.g. "
+                                 "'layers.0'; the whole model at once is fragments=1)")
+            if not isinstance(entry, (str, torch.nn.Module)):
+                raise ValueError(f"{allowed}; fragment {index} holds {entry!r}")
+        fragments.append(tuple(entries))
+    return tuple(fragments)
 
 
 def check_local_updates(value: object) -> Optional[LocalUpdates]:
