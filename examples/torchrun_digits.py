@@ -50,7 +50,7 @@ def main() -> None:
     model = DistributedDataParallel(digits_mlp().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     gradcomp = lightning_gradcomp.register(model, compressor=args.compressor)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    gradcomp.compressor.check_optimizer(optimizer)  # DGC and DeMo refuse an optimizer with its own momentum
+    gradcomp.bind(optimizer)  # checks it against the compressor (DGC and DeMo refuse an optimizer with its own momentum)
 
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):

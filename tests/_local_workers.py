@@ -152,3 +152,112 @@ def check_the_optimizer_step_counts_iterations(rank: int, world_size: int) -> No
             assert handle.loop.outer.optimizer_steps == STEPS + 1
         handle.close()
     assert torch.equal(results[0], results[1])
+
+
+def check_the_global_model_and_the_final_sync(rank: int, world_size: int) -> None:
+    """The plain handle (issue 36, item 1): inside a window ``global_weights()`` shows θ_global, the same on
+    every rank, without communicating (rank 0 alone enters it here), and puts the replica back;
+    ``sync()`` merges the open window and leaves θ_global in every rank's model; a second one exchanges
+    nothing."""
+    import torch.distributed as dist
+
+    model = small_model()
+    optimizer = inner_optimizer(model)
+    handle = local_updates(model, optimizer, sync_every=SYNC_EVERY, compressor="topk", min_compress_numel=256)
+    for step in range(STEPS):  # three synchronisations, one step into the fourth window
+        inner_step(model, optimizer, step, rank)
+    replica = {name: value.clone() for name, value in model.state_dict().items()}
+    seen = None
+    if rank == 0:
+        with handle.global_weights():
+            seen = {name: value.clone() for name, value in model.state_dict().items()}
+        for name, glob in zip(handle.loop.names, handle.loop.outer.global_params):
+            assert torch.equal(seen[name], glob), name
+        assert any(not torch.equal(seen[name], value) for name, value in replica.items())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, replica[name]), f"the replica is back: {name}"
+    replicas = [None] * world_size
+    dist.all_gather_object(replicas, replica)
+    assert any(not torch.equal(replicas[0][name], replicas[1][name]) for name in replica), "apart inside a window"
+    with handle.global_weights():  # every rank: the same weights
+        views = [None] * world_size
+        dist.all_gather_object(views, {name: value.clone() for name, value in model.state_dict().items()})
+    for name in replica:
+        assert torch.equal(views[0][name], views[1][name]), name
+        if seen is not None:
+            assert torch.equal(views[0][name], seen[name]), name
+
+    assert handle.sync() is True and handle.loop.outer.syncs == STEPS // SYNC_EVERY + 1
+    final = [None] * world_size
+    dist.all_gather_object(final, {name: value.clone() for name, value in model.state_dict().items()})
+    for name in replica:
+        assert torch.equal(final[0][name], final[1][name]), f"every rank ends on θ_global: {name}"
+    for name, glob in zip(handle.loop.names, handle.loop.outer.global_params):
+        assert torch.equal(model.state_dict()[name], glob), name
+    assert handle.sync() is False and handle.loop.outer.syncs == STEPS // SYNC_EVERY + 1, "nothing moved since"
+    handle.close()
+
+
+def check_a_model_still_driven_through_ddp_is_refused(rank: int, world_size: int) -> None:
+    """Issue 36, item 2: ``local_updates(ddp.module, ...)`` while the loop calls the DDP wrapper used to
+    all-reduce every step in silence. Now the wrapper's first all-reduce raises, naming the fix; a wrapper
+    that is kept but not called, or made after ``local_updates()`` and called, is handled alike."""
+    import pytest
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = small_model()
+    optimizer = inner_optimizer(model)
+    ddp = DistributedDataParallel(model)
+    handle = local_updates(ddp.module, optimizer, sync_every=SYNC_EVERY)
+    inner_step(model, optimizer, 0, rank)  # the bare model: nothing all-reduced, no error
+    x, y = batch(1, rank)
+    with pytest.raises(RuntimeError, match="local updates need no DDP|Local updates need no DDP"):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    handle.close()
+
+    model = small_model()
+    optimizer = inner_optimizer(model)
+    handle = local_updates(model, optimizer, sync_every=SYNC_EVERY)
+    late = DistributedDataParallel(model)
+    nn.functional.cross_entropy(late(x), y).backward()  # not yet known: the first step finds it
+    optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="Local updates need no DDP"):
+        nn.functional.cross_entropy(late(x), y).backward()
+    handle.close()
+
+
+def check_a_rank_0_only_state_dict_raises_with_advice(rank: int, world_size: int) -> None:
+    """Issue 36, item 3: ``state_dict()`` inside ``if rank == 0:`` used to hang with no message. It raises
+    after the handle's ``timeout``, with the fix; the fixed pattern (every rank gathers, rank 0 saves the
+    model inside ``global_weights()``) works."""
+    import pytest
+    import torch.distributed as dist
+
+    from lightning_gradcomp.ddp.checkpoint import CheckpointTimeout
+
+    model = small_model()
+    optimizer = inner_optimizer(model)
+    handle = local_updates(model, optimizer, sync_every=SYNC_EVERY, timeout=1.5)
+    for step in range(SYNC_EVERY + 1):
+        inner_step(model, optimizer, step, rank)
+    if rank == 0:
+        with pytest.raises(CheckpointTimeout, match=r"waited 1.5 s .* call it on every rank first"):
+            handle.state_dict()
+    dist.barrier()
+    handle.close()
+
+    model = small_model()
+    optimizer = inner_optimizer(model)
+    handle = local_updates(model, optimizer, sync_every=SYNC_EVERY, timeout=60)
+    for step in range(SYNC_EVERY + 1):
+        inner_step(model, optimizer, step, rank)
+    entry = handle.state_dict()
+    assert (entry is not None) == (rank == 0)
+    if rank == 0:
+        with handle.global_weights():
+            saved = {name: value.clone() for name, value in model.state_dict().items()}
+        for name, glob in zip(handle.loop.names, handle.loop.outer.global_params):
+            assert torch.equal(saved[name], glob)
+        assert len(entry["ranks"]) == world_size
+    handle.close()

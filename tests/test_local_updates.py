@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +17,14 @@ from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
 from tests._local_workers import (
     check_real_equals_simulated,
+    check_a_model_still_driven_through_ddp_is_refused,
+    check_a_rank_0_only_state_dict_raises_with_advice,
+    check_the_global_model_and_the_final_sync,
     check_resume_mid_window,
     inner_optimizer,
     inner_step,
     simulate,
     small_model,
-    STEPS,
     STREAMING,
     SYNC_EVERY,
 )
@@ -278,66 +281,128 @@ def test_local_updates_refuse_a_ddp_model_and_an_uninitialised_group() -> None:
 LOCAL = ("--local", "5", "--momentum", "0.9")  # 22 steps per epoch: an epoch ends inside a window
 
 
+def _whole_local_run(lightning_runs) -> tuple[list[dict], Path]:
+    """Two epochs of 22 steps on 2 ranks with validation every epoch and a checkpoint written at the end of
+    the first (inside the fifth window), shared by the tests below."""
+    ckpt = Path(lightning_runs.root) / "local_mid_fit.ckpt"
+    runs, _ = lightning_runs("local_whole", "--epochs", "2", "--validate", "--save", str(ckpt), "--save-at-epoch",
+                             "1", *LOCAL)
+    return runs, ckpt
+
+
 @pytest.mark.multiprocess
 def test_lightning_two_processes_equal_the_simulated_strategy(lightning_runs) -> None:
-    real, _ = lightning_runs("local_whole", "--epochs", "2", *LOCAL)  # shared with the resume test
-    simulated, _ = lightning_runs("local_sim", "--epochs", "2", "--simulate", "2", *LOCAL)
-    assert real[0]["syncs"] == simulated[0]["syncs"] == 44 // 5
+    real, _ = _whole_local_run(lightning_runs)
+    simulated, _ = lightning_runs("local_sim", "--epochs", "2", "--validate", "--simulate", "2", *LOCAL)
+    assert real[0]["syncs"] == simulated[0]["syncs"] == 44 // 5 + 1, "8 windows, then the final synchronisation"
     assert real[0]["inner_steps"] == simulated[0]["inner_steps"] == 44 % 5
     assert real[0]["totals"]["bytes_sent"] == simulated[0]["totals"]["bytes_sent"], "one engine: the same bytes"
-    for key, value in real[0]["params"].items():  # rank 0 and the simulation's worker 0, inside a window
+    for key, value in real[0]["params"].items():
         torch.testing.assert_close(simulated[0]["params"][key], value, rtol=1e-5, atol=1e-6)
     for a, b in zip(real[0]["global_params"], simulated[0]["global_params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert any(not torch.equal(value, real[1]["params"][key]) for key, value in real[0]["params"].items()), \
-        "the ranks diverge inside a window"
+    assert real[0]["steps"][-1]["param_sum"] != real[1]["steps"][-1]["param_sum"], \
+        "inside a window (the last batch) the ranks train their own replicas"
 
 
 @pytest.mark.multiprocess
-def test_lightning_resumes_inside_a_window_bit_for_bit_on_every_rank(lightning_runs, tmp_path) -> None:
-    ckpt = tmp_path / "local_half.ckpt"
-    whole, _ = lightning_runs("local_whole", "--epochs", "2", *LOCAL)
-    lightning_runs("local_half", "--epochs", "1", "--save", str(ckpt), *LOCAL)
+def test_lightning_fit_ends_with_the_global_model_on_every_rank(lightning_runs) -> None:
+    """44 steps end 4 steps into a window: the final synchronisation merges them, and every rank's model
+    is θ_global (item 1 of issue 36: ranks used to end on their own replicas)."""
+    runs, _ = _whole_local_run(lightning_runs)
+    for key, value in runs[0]["params"].items():
+        assert torch.equal(runs[1]["params"][key], value), key
+    for key, glob in zip(runs[0]["global_names"], runs[0]["global_params"]):
+        assert torch.equal(runs[0]["params"][key], glob), key
+
+
+@pytest.mark.multiprocess
+def test_lightning_validation_inside_fit_sees_the_global_model(lightning_runs) -> None:
+    runs, _ = _whole_local_run(lightning_runs)
+    assert len(runs[0]["validated"]) == 2
+    assert runs[0]["validated"] == runs[1]["validated"], "every rank validates the same weights, θ_global"
+    first_epoch_end = [step for step in runs[0]["steps"] if step["global_step"] == 22][0]
+    assert runs[0]["validated"][0] != first_epoch_end["param_sum"], "not rank 0's replica (2 steps into a window)"
+
+
+@pytest.mark.multiprocess
+def test_lightning_checkpoints_hold_the_global_model(lightning_runs) -> None:
+    _, ckpt = _whole_local_run(lightning_runs)
+    saved = torch.load(ckpt, weights_only=False)
+    entry = saved["gradcomp"]
+    assert entry["ranks"][0]["local"]["outer"]["optimizer_steps"] == 22  # inside the fifth window
+    for name, glob in entry["ranks"][0]["local"]["outer"]["global"].items():
+        assert torch.equal(saved["state_dict"][name], glob), name
+    assert any(not torch.equal(saved["state_dict"][name], local)
+               for name, local in entry["ranks"][0]["local"]["params"].items())
+
+
+@pytest.mark.multiprocess
+def test_lightning_resumes_inside_a_window_bit_for_bit_on_every_rank(lightning_runs) -> None:
+    whole, ckpt = _whole_local_run(lightning_runs)
     saved = torch.load(ckpt, weights_only=False)["gradcomp"]
     assert [rank["local"]["outer"] is not None for rank in saved["ranks"]] == [True, True]
-    assert saved["ranks"][0]["local"]["outer"]["optimizer_steps"] == 22  # inside the fifth window
-    resumed, _ = lightning_runs("local_resumed", "--epochs", "2", "--resume", str(ckpt), *LOCAL)
+    resumed, _ = lightning_runs("local_resumed", "--epochs", "2", "--validate", "--resume", str(ckpt), *LOCAL)
     for rank in range(2):
         for key, value in whole[rank]["params"].items():
             assert torch.equal(resumed[rank]["params"][key], value), (rank, key)
         assert whole[rank]["totals"]["bytes_sent"] == resumed[rank]["totals"]["bytes_sent"]
+        assert whole[rank]["validated"][1] == resumed[rank]["validated"][0]
 
 
 @pytest.mark.multiprocess
 def test_fabric_trains_with_local_updates(fabric_runs) -> None:
-    """Fabric: one exchange per window, the ranks apart inside a window. (Its checkpoint entry is the plain
-    PyTorch handle's, whose resume inside a window is tested bit for bit above.)"""
-    runs, output = fabric_runs("fabric_local", "--epochs", "1", "--local", "5")
-    assert runs[0]["hook_step"] == 22 // 5, "one exchange per window"
-    assert any(not torch.equal(value, runs[1]["params"][key]) for key, value in runs[0]["params"].items())
-    assert "4 synchronisations in 22 optimizer steps" in runs[0]["summary"]
+    """Fabric: one exchange per window, the ranks apart inside a window, the same θ_global after ``sync()``;
+    ``fabric.save`` holds θ_global as the model. (Its checkpoint entry is the plain PyTorch handle's, whose
+    resume inside a window is tested bit for bit above.)"""
+    ckpt = Path(fabric_runs.root) / "fabric_local.ckpt"
+    runs, output = fabric_runs("fabric_local", "--epochs", "1", "--local", "5", "--save", str(ckpt), "--save-at", "1")
+    assert runs[0]["hook_step"] == 22 // 5 + 1, "one exchange per window, then the final sync()"
+    assert any(not torch.equal(value, runs[1]["replica_params"][key])
+               for key, value in runs[0]["replica_params"].items())
+    for key, value in runs[0]["params"].items():
+        assert torch.equal(runs[1]["params"][key], value), key
+    assert "5 synchronisations in 22 optimizer steps" in runs[0]["summary"]
+    saved = torch.load(ckpt, weights_only=False)
+    for name, glob in saved["gradcomp"]["ranks"][0]["local"]["outer"]["global"].items():
+        assert torch.equal(saved["model"][name], glob), name
 
 
-def _sim_local_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None):
+def _sim_local_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None, save_at_epoch=None):
     """Two simulated workers, Top-k outer gradients, H = 5, epochs of 12 steps (the first ends inside the
     third window)."""
     from tests.test_simulation import _sim_fit
 
-    return _sim_fit(tmp_path, epochs, ckpt_in, ckpt_out, compressor="topk", momentum=0.9,
+    return _sim_fit(tmp_path, epochs, ckpt_in, ckpt_out, compressor="topk", momentum=0.9, save_at_epoch=save_at_epoch,
                     local_updates=LocalUpdates(5), limit_train_batches=12)
 
 
 def test_simulated_strategy_resumes_inside_a_window_bit_for_bit(tmp_path) -> None:
-    whole, whole_strategy = _sim_local_fit(tmp_path, 2)
     ckpt = tmp_path / "sim_local.ckpt"
-    _sim_local_fit(tmp_path, 1, ckpt_out=ckpt)
+    whole, whole_strategy = _sim_local_fit(tmp_path, 2, ckpt_out=ckpt, save_at_epoch=1)
     resumed, resumed_strategy = _sim_local_fit(tmp_path, 2, ckpt_in=ckpt)
-    assert resumed_strategy.local.outer.syncs == whole_strategy.local.outer.syncs == 24 // 5
+    assert resumed_strategy.local.outer.syncs == whole_strategy.local.outer.syncs == 24 // 5 + 1
     for a, b in zip(whole_strategy.local.replicas, resumed_strategy.local.replicas):
         for x, y in zip(a.params + a.buffers, b.params + b.buffers):
             assert torch.equal(x, y)
     for key, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_simulated_strategy_ends_on_the_global_model_and_checkpoints_it(tmp_path) -> None:
+    ckpt = tmp_path / "sim_local.ckpt"
+    model, strategy = _sim_local_fit(tmp_path, 1, ckpt_out=ckpt, save_at_epoch=1)
+    saved = torch.load(ckpt, weights_only=False)
+    outer = saved["gradcomp"]["ranks"][0]["local"]["outer"]
+    assert outer["optimizer_steps"] == 12 and outer["syncs"] == 2, "saved 2 steps into the third window"
+    for name, glob in outer["global"].items():
+        assert torch.equal(saved["state_dict"][name], glob), name
+    assert strategy.local.outer.syncs == 3, "the final synchronisation merged the last 2 steps"
+    for replica in strategy.local.replicas:
+        for p, glob in zip(replica.params, strategy.local.outer.global_params):
+            assert torch.equal(p, glob)
+    for name, glob in zip(strategy.local.names, strategy.local.outer.global_params):
+        assert torch.equal(model.state_dict()[name], glob)
 
 
 def test_strategies_refuse_options_without_meaning_under_local_updates() -> None:
@@ -399,3 +464,88 @@ def test_the_inner_optimizers_step_counts_the_iterations() -> None:
     from tests._local_workers import check_the_optimizer_step_counts_iterations
 
     run_gloo(check_the_optimizer_step_counts_iterations, 2)
+
+
+@pytest.mark.multiprocess
+def test_plain_handle_shows_the_global_model_and_sync_ends_on_it() -> None:
+    run_gloo(check_the_global_model_and_the_final_sync, 2)
+
+
+def test_sync_merges_the_exchange_in_flight_and_the_open_windows() -> None:
+    """Streaming DiLoCo (3 fragments over windows of 6, merged 1 step late, half kept) stopped on a
+    multiple of H: fragment 2's exchange started at step 12 is in flight (issue 36, item 12: its outer
+    step used to be lost). ``sync()`` merges it, then exchanges fragments 0 and 1, which moved since their
+    exchanges started at steps 8 and 10; every replica and the module end on θ_global."""
+    model, sim = simulate(workers=2, compressor="none", steps=12, **STREAMING)
+    assert sim.outer.syncs == 5 and len(sim.pending) == 1 and sim.pending[0].fragment == 2
+    assert sim.outer.started_at == [8, 10, 12] and sim.outer.merged_at == [9, 11, 7]
+    assert sim.sync() is True
+    assert sim.outer.syncs == 5 + 1 + 2 and not sim.pending
+    assert sim.outer.merged_at == [12, 12, 12]
+    for replica in sim.replicas:
+        for p, glob in zip(replica.params, sim.outer.global_params):
+            assert torch.equal(p, glob)
+        for a, b in zip(replica.buffers, sim.replicas[0].buffers):
+            assert torch.equal(a, b)
+    for name, glob in zip(sim.names, sim.outer.global_params):
+        assert torch.equal(model.state_dict()[name], glob)
+    assert sim.sync() is False and sim.outer.syncs == 8
+
+
+def test_sync_without_alpha_skips_a_fragment_merged_on_the_last_step() -> None:
+    """DiLoCo stopped on a multiple of H: nothing moved since the last merge, so nothing is exchanged (an
+    outer step along Δ = 0 would still move θ_global by the outer momentum)."""
+    model, sim = simulate(workers=2, compressor="none", steps=2 * SYNC_EVERY)
+    assert sim.sync() is False and sim.outer.syncs == 2
+
+
+def test_global_weights_in_the_simulation_are_the_outer_models() -> None:
+    model, sim = simulate(workers=2, compressor="none", steps=SYNC_EVERY + 1)
+    replica = {name: value.clone() for name, value in model.state_dict().items()}
+    with sim.global_weights():
+        for name, glob in zip(sim.names, sim.outer.global_params):
+            assert torch.equal(model.state_dict()[name], glob)
+        buffers = dict(model.named_buffers())
+        assert torch.equal(buffers["2.running_mean"], sim.global_buffers.values[0])
+        assert not torch.equal(buffers["2.running_mean"], replica["2.running_mean"]), "the averaged statistics"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, replica[name])
+
+
+@pytest.mark.multiprocess
+def test_a_model_still_driven_through_ddp_is_refused() -> None:
+    run_gloo(check_a_model_still_driven_through_ddp_is_refused, 2)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_0_only_state_dict_raises_with_advice() -> None:
+    run_gloo(check_a_rank_0_only_state_dict_raises_with_advice, 2)
+
+
+def test_a_bad_timeout_names_the_parameter() -> None:
+    from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout
+
+    for bad in (0, -1.0, "5", True):
+        with pytest.raises(ValueError, match="`timeout` must be a positive timedelta or number of seconds"):
+            check_checkpoint_timeout(bad)
+
+
+def test_global_weights_of_a_bf16_model_are_the_fp32_global_parameters_rounded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sim = SimulatedLocalUpdates(model, [optimizer], LocalUpdates(2), workers=2)
+    for step in range(3):
+        for worker in range(2):
+            with sim.worker(worker):
+                model(torch.randn(4, 8, dtype=torch.bfloat16) + worker).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        sim.step()
+    replica = [p.detach().clone() for p in model.parameters()]
+    with sim.global_weights():
+        for p, glob in zip(model.parameters(), sim.outer.global_params):
+            assert p.dtype == torch.bfloat16 and glob.dtype == torch.float32
+            assert torch.equal(p, glob.to(torch.bfloat16))
+    for p, kept in zip(model.parameters(), replica):
+        assert torch.equal(p, kept)

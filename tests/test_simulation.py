@@ -169,8 +169,10 @@ def test_callbacks_work_unchanged_with_the_simulation(lightning_runs) -> None:
 
 
 def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None, workers: int = 2, compressor=None,
-             momentum: float = 0.0, **trainer_kwargs):
-    """A simulated digits fit (``trainer_kwargs`` also reach the strategy: ``local_updates=``)."""
+             momentum: float = 0.0, save_at_epoch=None, **trainer_kwargs):
+    """A simulated digits fit (``trainer_kwargs`` also reach the strategy: ``local_updates=``); ``ckpt_out``
+    is written after ``fit``, or at the end of epoch ``save_at_epoch`` (counted from 1) of a fit that goes
+    on (the checkpoint a job stopped there leaves)."""
     from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
 
     class EpochSeededDigits(DigitsDataModule):  # the order of epoch e depends on (seed, e) only
@@ -181,12 +183,17 @@ def _sim_fit(tmp_path, epochs: int, ckpt_in=None, ckpt_out=None, workers: int = 
     model = DigitsClassifier(hidden=64, momentum=momentum)
     strategy = GradCompSimStrategy(workers=workers, compressor=compressor or TopK(0.02),
                                    local_updates=trainer_kwargs.pop("local_updates", None))
+    class SaveAtEpochEnd(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch + 1 == save_at_epoch:
+                trainer.save_checkpoint(ckpt_out)
+
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, deterministic=True, default_root_dir=tmp_path,
-                        **trainer_kwargs)
+                        callbacks=[SaveAtEpochEnd()] if save_at_epoch else [], **trainer_kwargs)
     trainer.fit(model, datamodule=EpochSeededDigits(batch_size=32), ckpt_path=ckpt_in)
-    if ckpt_out:
+    if ckpt_out and not save_at_epoch:
         trainer.save_checkpoint(ckpt_out)
     return model, strategy
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_gradcomp.compressors.base import Compressor
@@ -24,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
 VERSION = 1
+#: how long a plain handle's ``state_dict()`` waits for the other ranks by default
+DEFAULT_CHECKPOINT_TIMEOUT = timedelta(minutes=5)
 
 
 def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], layout: str = "flat") -> dict[str, Any]:
@@ -33,23 +37,75 @@ def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], l
             "layout": layout}
 
 
-def gather_entry(hook_state: "GradCompHookState", compressor: Compressor,
-                 local: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+def gather_entry(hook_state: "GradCompHookState", compressor: Compressor, local: Optional[dict[str, Any]] = None,
+                 group: Optional[dist.ProcessGroup] = None) -> Optional[dict[str, Any]]:
     """Collective over the hook state's ``checkpoint_group`` (the exchange's group; the whole world in
     hierarchical mode): every rank's state, packed on the group's first rank (``None`` on the others).
     ``local``: this rank's local-update state (:mod:`lightning_gradcomp.local`), kept as its ``"local"``.
     Every rank of the group must call it. The states (CPU copies) travel over a gloo group of the same
-    ranks (:meth:`~lightning_gradcomp.ddp.hook.GradCompHookState.gather_group`): an NCCL gather of objects
-    would stage every rank's pickled state in the first rank's GPU memory."""
-    group = hook_state.gather_group()
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks (:meth:`~lightning_gradcomp.ddp.hook.GradCompHookState.gather_group`, or ``group``: the plain
+    handles' own, made with their ``timeout``, see :func:`checkpoint_group`): an NCCL gather of objects
+    would stage every rank's pickled state in the first rank's GPU memory.
+
+    Raises:
+        CheckpointTimeout: ``group`` was given and the other ranks did not join within its timeout (a
+            script that calls ``state_dict()`` on rank 0 only).
+    """
+    gather_group = group if group is not None else hook_state.gather_group()
+    world_size, rank = dist.get_world_size(gather_group), dist.get_rank(gather_group)
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
-    destination = dist.get_global_rank(group, 0) if group is not None else 0
+    destination = dist.get_global_rank(gather_group, 0) if gather_group is not None else 0
     state = hook_state.state_dict()
     if local is not None:
         state["local"] = local
-    dist.gather_object(state, gathered, dst=destination, group=group)
+    try:
+        dist.gather_object(state, gathered, dst=destination, group=gather_group)
+    except RuntimeError as error:
+        if group is None:
+            raise
+        raise CheckpointTimeout(CHECKPOINT_TIMEOUT_ADVICE.format(rank=dist.get_rank(), timeout=_timeout_of(group),
+                                                                 error=" ".join(str(error).split())[:300])) from error
     return pack(world_size, compressor, gathered, hook_state.layout) if gathered is not None else None
+
+
+class CheckpointTimeout(RuntimeError):
+    """A plain handle's ``state_dict()`` waited longer than its ``timeout`` for the other ranks."""
+
+
+CHECKPOINT_TIMEOUT_ADVICE = (
+    "gradcomp: state_dict() on rank {rank} waited {timeout} for the other ranks and gave up. It is a "
+    "collective: every rank gathers its residuals (and local-update replicas) on rank 0, so every rank must "
+    "call it at the same point. In a script that saves on rank 0 only, call it on every rank first: "
+    "`entry = handle.state_dict()` (None off rank 0), then `if rank == 0: torch.save({{..., 'gradcomp': "
+    "entry}}, path)`. If the ranks reach the checkpoint further apart than that, raise `timeout=` of "
+    "register() / local_updates(). ({error})")
+
+
+def checkpoint_group(group: Optional[dist.ProcessGroup], timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of ``group``'s ranks (``None``: the world) for the plain handles' checkpoint gathers,
+    with its own ``timeout``: a ``state_dict()`` called on some ranks only raises
+    :class:`CheckpointTimeout` after ``timeout`` instead of hanging for the training group's timeout. Every
+    rank of ``group`` calls it at the same point (``register()``, ``local_updates()``)."""
+    world = group is None or group is dist.group.WORLD
+    ranks = None if world else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=not world)
+
+
+def check_checkpoint_timeout(timeout: Any) -> timedelta:
+    """``timeout`` as a ``timedelta``: a positive ``timedelta`` or number of seconds."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"`timeout` must be a positive timedelta or number of seconds (how long a collective "
+                         f"state_dict() waits for the other ranks), got {timeout!r}")
+    return timeout
+
+
+def _timeout_of(group: dist.ProcessGroup) -> str:
+    try:
+        return f"{group._get_backend(torch.device('cpu')).options._timeout.total_seconds():g} s"
+    except Exception:  # noqa: BLE001 - the backend does not say: the message stays useful without it
+        return "its timeout"
 
 
 def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,

@@ -13,6 +13,7 @@ import atexit
 import gc
 import logging
 import threading
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Union
@@ -38,7 +39,7 @@ from lightning_gradcomp.exchange.thread import (
     ExchangeThread,
     group_timeout,
 )
-from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.metrics.stats import logged_bytes_sent, StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 
 
@@ -128,6 +129,7 @@ class GradCompHookState:
         #: the first error of an exchange whose future DDP waited on (a :class:`CollectiveError` when a peer
         #: died); DDP's backward raises it as a ``RuntimeError`` carrying its message (see :meth:`_for_ddp`)
         self.failure: Optional[BaseException] = None
+        self._hinted: set[str] = set()  # compressors' non-finite hints already given (once each)
         logger.info("gradcomp hook on rank %d of %d: %r, error feedback %s, min_compress_numel %d, exchange thread %s",
                     self.driver.rank, self.driver.world_size, self.compressor, "on" if self.error_feedback else "off",
                     self.min_compress_numel,
@@ -210,8 +212,8 @@ class GradCompHookState:
         with self._lock:
             stats, self._stats = self._stats, StepStats()
         stats.collectives = self._take_collective_log()
-        # collectives inside a node (hierarchical mode, logged as node:*) do not cross the network: not counted
-        stats.bytes_sent = sum(nbytes for kind, nbytes in stats.collectives if not kind.startswith("node:"))
+        # bytes sent by the package's one definition; node:* collectives (hierarchical mode) are not counted
+        stats.bytes_sent = logged_bytes_sent(stats.collectives, self.driver.world_size) if stats.collectives else 0
         if self.telemetry or self.pipeline.recorder.unread:
             self.pipeline.recorder.close_step(keep_layers=self.record_layers)
             self.engine.compress_clock.close_step()
@@ -251,9 +253,17 @@ class GradCompHookState:
         self._warn(self.pipeline.nonfinite.take(block=True))
 
     def _warn(self, found: list[tuple[int, list[str]]]) -> None:
+        """The non-finite warnings of the steps in ``found``, and once the compressor's hint at another cause
+        than a NaN in the gradient (:attr:`~lightning_gradcomp.compressors.base.Compressor.nonfinite_hint`:
+        FP16's range)."""
         if found:
             rank = self.driver.rank if dist.is_initialized() else -1
             warn_nonfinite(found, rank)
+            hint = self.compressor.nonfinite_hint
+            if hint and hint not in self._hinted:
+                self._hinted.add(hint)
+                warnings.warn(f"gradcomp: the non-finite gradients above may be finite but large: {hint}",
+                              RuntimeWarning, stacklevel=2)
 
     def _take_collective_log(self) -> list[tuple[str, int]]:
         log = self.driver.take_log()

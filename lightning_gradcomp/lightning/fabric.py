@@ -48,7 +48,7 @@ from lightning_gradcomp.lightning.options import (
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.lightning.options import check_clipping_after_signs, check_fit_setup
 from lightning_gradcomp.ddp.hook import exchange_failures, no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.handle import attach, LocalUpdateHandle
@@ -187,6 +187,23 @@ class GradCompFabricStrategy(DDPStrategy):
         return super().setup_optimizer(optimizer)
 
     @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Fabric's clipping, refused after a compressor that hands the optimizer signs (DeMo)."""
+        if self.local_updates is None:
+            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(max_norm={max_norm!r})",
+                                       "no fabric.clip_gradients")
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        """Fabric's clipping by value, refused after a compressor that hands the optimizer signs."""
+        if self.local_updates is None:
+            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(clip_val={clip_val!r})",
+                                       "no fabric.clip_gradients")
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
     def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Fabric's backward; an exchange that failed (a dead peer) raises its
         :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
@@ -216,7 +233,8 @@ class GradCompFabricStrategy(DDPStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Fabric's checkpoint, plus every rank's compression state under ``"gradcomp"``."""
+        """Fabric's checkpoint, plus every rank's compression state under ``"gradcomp"``; with local updates
+        the model's ``state_dict`` is ``θ_global``'s (each rank's replica travels in the entry)."""
         if self.gradcomp is not None:
             if CHECKPOINT_KEY in state:
                 raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
@@ -224,6 +242,10 @@ class GradCompFabricStrategy(DDPStrategy):
             entry = self.gradcomp.state_dict()  # a collective: every rank takes part
             if entry is not None:
                 state = {**state, CHECKPOINT_KEY: entry}
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            with self.gradcomp.global_weights():  # the model's state_dict is θ_global's; replicas in the entry
+                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

@@ -20,16 +20,18 @@ from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, pack
 from lightning_gradcomp.ddp.hierarchy import check_hierarchy, local_average
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
+from lightning_gradcomp.lightning.global_model import ShowsGlobalModel
 from lightning_gradcomp.lightning.options import configure_strategy
-from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
+from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.local.simulated import SimulatedLocalUpdates
 from lightning_gradcomp.metrics.stats import StepStats
 
 
 
-class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
+class GradCompSimStrategy(ShowsGlobalModel, RestoresCompressionState, SingleDeviceStrategy):
     """Simulate ``workers`` data-parallel workers with compressed gradient exchange on one device.
 
     Each batch is split into ``workers`` equal parts along ``batch_dim``. For each part in turn: the
@@ -66,9 +68,10 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
             :class:`~lightning_gradcomp.local.LocalUpdates` (or an int ``H``): local-update training of
             ``workers`` replicas that really diverge (each its own parameters, buffers, optimizer state and
             share of every batch; :class:`~lightning_gradcomp.local.SimulatedLocalUpdates`), synchronised
-            every ``H`` optimizer steps as :class:`~lightning_gradcomp.GradCompStrategy` does. The module
-            holds worker 0's values between steps (validation, checkpoints, logging see worker 0, like rank
-            0 of a real run); memory: ``workers`` copies of the parameters and optimizer state.
+            every ``H`` optimizer steps as :class:`~lightning_gradcomp.GradCompStrategy` does. Validation,
+            checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters, as
+            in a real run (:mod:`lightning_gradcomp.lightning.global_model`); inside a training batch the
+            module holds worker 0's. Memory: ``workers`` copies of the parameters and optimizer state.
         device: the device; default: the accelerator's first device.
     """
 
@@ -172,7 +175,13 @@ class GradCompSimStrategy(RestoresCompressionState, SingleDeviceStrategy):
                                                exchange=self.hook_state)
         else:
             check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
+            check_gradient_clipping(self.compressor, trainer)
         self._restore_pending()
+        self._start_showing_global_model(trainer)
+
+    @property
+    def outer_loop(self) -> Optional[ScheduledSyncs]:
+        return self.local
 
     # ------------------------------------------------------------------ one step, N workers
     @override

@@ -25,8 +25,9 @@ from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
+from lightning_gradcomp.lightning.global_model import ShowsGlobalModel
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
-from lightning_gradcomp.local.loop import LocalUpdateLoop
+from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_process_group_backend,
@@ -37,7 +38,7 @@ from lightning_gradcomp.lightning.options import (
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(RestoresCompressionState, DDPStrategy):
+class GradCompStrategy(ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
@@ -85,7 +86,9 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
             :class:`~lightning_gradcomp.local.LocalUpdates` (or an int ``H``): local-update training
             (DiLoCo): each rank takes ``H`` optimizer steps alone (DDP communicates nothing, buffers are not
             broadcast), then the outer gradients ``θ_global − θ`` are exchanged with ``compressor`` and the
-            outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`.
+            outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`. Validation,
+            checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters
+            (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.global_model`.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
     """
 
@@ -167,6 +170,10 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         """The number of workers exchanging compressed gradients (the world size)."""
         return self.world_size
 
+    @property
+    def outer_loop(self) -> Optional[ScheduledSyncs]:
+        return self.local_loop
+
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
@@ -191,6 +198,8 @@ class GradCompStrategy(RestoresCompressionState, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.local_loop is None:
             check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
+            check_gradient_clipping(self.compressor, trainer)
+        self._start_showing_global_model(trainer)
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -7,17 +7,28 @@
     optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4)
     diloco = lightning_gradcomp.local_updates(model, optimizer, sync_every=100, compressor="int8")
     for batch in loader:                                # each rank its own shard
-        loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()
-        diloco.step()                                   # optional: optimizer.step() already counted the step
-    entry = diloco.state_dict()                         # every rank calls; the entry on rank 0, None elsewhere
+        loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()   # counts the step
+        if step % eval_interval == 0:
+            with diloco.global_weights():               # θ_global, the same on every rank; no communication
+                evaluate(model)
+            entry = diloco.state_dict()                 # every rank calls; the entry on rank 0, None elsewhere
+            if rank == 0:
+                with diloco.global_weights():
+                    torch.save({"model": model.state_dict(), "gradcomp": entry}, path)
+    diloco.sync()                                       # the end: every rank's model set to θ_global
 
 The model is not wrapped in ``DistributedDataParallel``: nothing is communicated between two
 synchronisations. The exchange state, engine and checkpoint format are those of the DDP hook.
+Between synchronisations each rank's model is its own replica; ``θ_global``, the model DiLoCo defines,
+is what :meth:`LocalUpdateHandle.global_weights` shows and what :meth:`LocalUpdateHandle.sync` leaves in
+every rank's model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import gc
+from datetime import timedelta
+from typing import Any, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -25,10 +36,16 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import gather_entry, restore_entry
+from lightning_gradcomp.ddp.checkpoint import (
+    check_checkpoint_timeout,
+    checkpoint_group,
+    DEFAULT_CHECKPOINT_TIMEOUT,
+    gather_entry,
+    restore_entry,
+)
 from lightning_gradcomp.ddp.handle import GradCompHandle
 from lightning_gradcomp.ddp.hook import GradCompHookState
-from lightning_gradcomp.local.config import LocalUpdates, OuterOptimizerFactory
+from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 
 
@@ -40,20 +57,24 @@ class LocalUpdateHandle(GradCompHandle):
         optimizers: the inner optimizers (their per-rank states go into :meth:`state_dict`).
     """
 
-    def __init__(self, loop: LocalUpdateLoop, optimizers: Sequence[Optimizer], device: torch.device) -> None:
+    def __init__(self, loop: LocalUpdateLoop, optimizers: Sequence[Optimizer], device: torch.device,
+                 refuse_ddp: bool = False) -> None:
         super().__init__(loop.exchange, loop.exchange.compressor, device)
         self.loop = loop
         self.optimizers = list(optimizers)
         self._counted_by_hook = False  # the last optimizer step was counted by the hook, not yet by step()
         self._last_synced = False
         self._hook: Optional[Any] = None
+        #: whether a DistributedDataParallel wrapper of the model made later is still to be refused (at the
+        #: first step; :func:`local_updates`: the model must not be driven through DDP)
+        self._wrappers_checked = not refuse_ddp
 
     def count_optimizer_steps(self, optimizer: Optimizer) -> None:
         """Count an iteration whenever ``optimizer`` steps (``Optimizer.register_step_post_hook``), so that a
         loop cannot forget :meth:`step` (:func:`local_updates` hooks the first inner optimizer). The first
         call of :meth:`step` takes the counting back (see there)."""
         def counted(*_: Any) -> None:
-            self._last_synced = self.loop.step()
+            self._last_synced = self._step()
             self._counted_by_hook = True
 
         self._hook = optimizer.register_step_post_hook(counted)
@@ -70,6 +91,12 @@ class LocalUpdateHandle(GradCompHandle):
         if self._stop_counting_optimizer_steps() and self._counted_by_hook:
             self._counted_by_hook = False
             return self._last_synced
+        return self._step()
+
+    def _step(self) -> bool:
+        if not self._wrappers_checked:  # a DistributedDataParallel made after local_updates()
+            self._wrappers_checked = True
+            refuse_gradient_all_reduce(self.loop.module)
         return self.loop.step()
 
     def _stop_counting_optimizer_steps(self) -> bool:
@@ -79,6 +106,24 @@ class LocalUpdateHandle(GradCompHandle):
         self._hook.remove()
         self._hook = None
         return True
+
+    def sync(self) -> bool:
+        """Synchronise now, on every rank (a collective: every rank calls it at the same point): merge the
+        exchanges in flight, exchange the fragments whose parameters moved since their last
+        synchronisation, and set the model (parameters and floating-point buffers) to ``θ_global`` on every
+        rank. Call it when training ends, so that a partial window's steps are not lost and every rank
+        holds the same weights. Whether anything was exchanged.
+
+        The schedule goes on from the step counter (the next window is shorter); a resume from a
+        checkpoint written before the :meth:`sync` continues as if it never happened."""
+        return self.loop.sync()
+
+    def global_weights(self) -> ContextManager[None]:
+        """``with handle.global_weights(): ...``: inside, the model holds ``θ_global`` and the buffers of the
+        last synchronisation (by reference, no communication: rank 0 alone may enter it), for evaluation
+        and for ``model.state_dict()`` in a checkpoint; afterwards the rank's replica again. Do not train
+        inside."""
+        return self.loop.global_weights()
 
     def close(self) -> None:
         """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
@@ -90,14 +135,28 @@ class LocalUpdateHandle(GradCompHandle):
         self.loop.close()
         return self.loop.outer.optimizer_steps
 
+    def bind(self, optimizer: Optimizer) -> None:
+        """Refused: the compressor of local updates compresses outer gradients, and the inner optimizers are
+        the training loop's own (they are not checked against it); the outer optimizer is ``outer_optimizer``
+        of :func:`local_updates`."""
+        raise ValueError("gradcomp: bind() checks the optimizer that a compressed gradient feeds; under local "
+                         "updates the compressor sends outer gradients to the outer optimizer (local_updates(..., "
+                         "outer_optimizer=...)), and the inner optimizers need no binding")
+
     def exchange(self, bucket: dist.GradBucket) -> Any:  # pragma: no cover - no DDP hook here
         raise RuntimeError("gradcomp: local updates exchange outer gradients, not DDP buckets")
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Every rank's residuals, parameters, inner-optimizer states and the outer state, gathered on rank 0
-        (``None`` elsewhere); a collective. With it (and nothing else) a resume continues bit for bit, also
-        in the middle of a window."""
-        return gather_entry(self.hook_state, self.compressor, self.loop.state_dict(self.optimizers))
+        (``None`` elsewhere). With it (and nothing else) a resume continues bit for bit, also in the middle
+        of a window.
+
+        A collective: every rank calls it at the same point; called on some ranks only, it raises
+        :class:`~lightning_gradcomp.ddp.checkpoint.CheckpointTimeout` after the ``timeout`` of
+        :func:`local_updates`, naming the fix. The model's own ``state_dict()`` for the same checkpoint is
+        taken inside :meth:`global_weights` (``θ_global``; rank 0 alone may do that)."""
+        return gather_entry(self.hook_state, self.compressor, self.loop.state_dict(self.optimizers),
+                            group=self.checkpoint_group)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved)."""
@@ -122,43 +181,53 @@ def local_updates(
     compressor: Union[Compressor, str] = "none",
     *,
     outer_optimizer: Optional[OuterOptimizerFactory] = None,
-    fragments: int = 1,
+    fragments: Fragments = 1,
     delay: int = 0,
     alpha: float = 0.0,
+    overlap: str = "after",
     error_feedback: Optional[bool] = None,
     min_compress_numel: int = 1024,
     seed: int = 0,
     group: Optional[dist.ProcessGroup] = None,
     telemetry: bool = False,
+    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
 ) -> LocalUpdateHandle:
     """Train ``model`` with local updates on this rank of ``group`` (default: the world).
 
     Args:
-        model: the bare model (not wrapped in ``DistributedDataParallel``); rank 0's values are broadcast
-            now, so every rank starts from the same parameters.
+        model: the bare model, called as it is in the loop; rank 0's values are broadcast now, so every
+            rank starts from the same parameters. A ``DistributedDataParallel`` wrapper of it (made before
+            or after) that the loop still calls raises at its first gradient all-reduce, naming the fix.
         optimizers: the inner optimizer(s), each rank's own. The first one's ``step()`` counts each iteration
             (a step post-hook), so the loop needs no :meth:`LocalUpdateHandle.step` call; a loop that calls it
             after every iteration, as before (needed with a ``GradScaler``, which may skip a rank's step),
             takes the counting over at its first call.
-        sync_every, outer_optimizer, fragments, delay, alpha: see
-            :class:`~lightning_gradcomp.local.config.LocalUpdates` (``fragments``, ``delay``, ``alpha``:
-            Streaming DiLoCo).
+        sync_every, outer_optimizer, fragments, delay, alpha, overlap: see
+            :class:`~lightning_gradcomp.local.config.LocalUpdates` (``fragments``, ``delay``, ``alpha``,
+            ``overlap``: Streaming DiLoCo).
         compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
             :class:`~lightning_gradcomp.GradCompStrategy` (default: uncompressed, DiLoCo).
         telemetry: also measure the compression error and time.
+        timeout: how long :meth:`LocalUpdateHandle.state_dict` (a collective) waits for the other ranks
+            before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
+            only fails with advice instead of hanging. The exchange itself fails a dead peer after the
+            process group's own timeout.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
-                         "DistributedDataParallel is not wanted (pass ddp.module)")
+                         "DistributedDataParallel is not wanted (pass ddp.module, and call it in the loop)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
                            "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
     optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha)
+    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
+    timeout = check_checkpoint_timeout(timeout)
+    refuse_gradient_all_reduce(model)
     broadcast_from_first_rank(model, group)
     handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
-                    min_compress_numel=min_compress_numel, seed=seed, group=group)
+                    min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True)
     handle.hook_state.telemetry = check_bool(telemetry, "telemetry")
+    handle.checkpoint_group = checkpoint_group(group, timeout)
     if optimizers:
         handle.count_optimizer_steps(optimizers[0])
     return handle
@@ -166,14 +235,53 @@ def local_updates(
 
 def attach(module: torch.nn.Module, optimizers: Sequence[Optimizer], config: LocalUpdates,
            compressor: Union[Compressor, str], error_feedback: Optional[bool] = None, min_compress_numel: int = 1024,
-           seed: int = 0, group: Optional[dist.ProcessGroup] = None) -> LocalUpdateHandle:
-    """The outer loop of ``module`` on this rank of ``group``, whose ranks hold the same values now."""
+           seed: int = 0, group: Optional[dist.ProcessGroup] = None, refuse_ddp: bool = False) -> LocalUpdateHandle:
+    """The outer loop of ``module`` on this rank of ``group``, whose ranks hold the same values now
+    (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
+    step, see :func:`refuse_gradient_all_reduce`)."""
     device = next(module.parameters()).device
     names = {id(p): name for name, p in module.named_parameters()}
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
                                    min_compress_numel=min_compress_numel, seed=seed, group=group,
                                    exchange_thread=config.delay > 0, device=device)
-    return LocalUpdateHandle(LocalUpdateLoop(module, config, hook_state), optimizers, device)
+    return LocalUpdateHandle(LocalUpdateLoop(module, config, hook_state), optimizers, device, refuse_ddp)
+
+
+def refuse_gradient_all_reduce(model: torch.nn.Module) -> None:
+    """Make a ``DistributedDataParallel`` wrapper of ``model`` that is still driven fail loudly: a loop that
+    calls the wrapper's forward and backward all-reduces every gradient, so local updates would save
+    nothing while their figures claimed savings (issue 36, item 2). Every live wrapper of ``model`` gets a
+    communication hook that raises at its first all-reduce (a wrapper kept but not called stays silent);
+    a wrapper that already has a hook is refused now."""
+    for wrapper in _ddp_wrappers_of(model):
+        hooks = [hook for hook, _ in getattr(wrapper, "_comm_hooks", [])]
+        if not hooks:
+            wrapper.register_comm_hook(None, _refuse_all_reduce)
+        elif hooks != [_refuse_all_reduce]:  # its own hook exchanges the gradients
+            raise ValueError(_DDP_STILL_ON)
+
+
+_DDP_STILL_ON = (
+    "gradcomp.local_updates: `model` is wrapped in DistributedDataParallel and the loop calls the wrapper, "
+    "which all-reduces every gradient: local updates would save nothing. Local updates need no DDP: call the "
+    "bare model in the training loop (model = ddp.module, and drop the wrapper); gradient accumulation needs "
+    "no no_sync() either.")
+
+
+def _refuse_all_reduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    raise RuntimeError(_DDP_STILL_ON)
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (``from __future__ import annotations``)
+_refuse_all_reduce.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                      "return": torch.futures.Future[torch.Tensor]}
+
+
+def _ddp_wrappers_of(model: torch.nn.Module) -> list[torch.nn.parallel.DistributedDataParallel]:
+    """The live ``DistributedDataParallel`` objects whose ``module`` is ``model`` (a scan of the garbage
+    collector's objects: once at ``local_updates()``, once at the first step)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return [obj for obj in gc.get_objects() if isinstance(obj, ddp) and obj.module is model]
 
 
 @torch.no_grad()

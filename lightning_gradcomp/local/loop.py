@@ -15,8 +15,9 @@ inner steps run, and is merged after them. Nothing is communicated in between.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -26,10 +27,11 @@ from torch.optim import Optimizer
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.global_model import GlobalBuffers, swapped_in
+from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
 from lightning_gradcomp.local.outer import (
     averaged,
     buffer_dtype,
-    buffer_fragments,
     cpu_copy,
     OuterModel,
     trainable_parameters,
@@ -63,12 +65,17 @@ class PendingSync:
 
 class ScheduledSyncs:
     """The schedule every outer loop follows (one rank's, the simulation's): after each inner step, merge
-    the synchronisations due now, then start those whose turn it is (merged at once without ``delay``).
-    Subclasses provide :attr:`outer`, :attr:`pending`, :meth:`_start` and :meth:`_merge` (which sets
-    :attr:`synced`)."""
+    the synchronisations due now, then start those whose turn it is (merged at once without ``delay``);
+    :meth:`sync` synchronises every fragment now (the end of training); :meth:`global_weights` shows
+    ``θ_global`` in the module. Subclasses provide :attr:`outer`, :attr:`pending`, :attr:`params`,
+    :attr:`buffers`, :attr:`global_buffers`, :meth:`_start`, :meth:`_merge` (which sets :attr:`synced`)
+    and :meth:`adopt_global`."""
 
     outer: OuterModel
     pending: list[PendingSync]
+    params: list[Tensor]
+    buffers: list[tuple[str, Tensor]]
+    global_buffers: GlobalBuffers
     synced: bool = False
 
     def step(self) -> bool:
@@ -78,12 +85,51 @@ class ScheduledSyncs:
         now = self.outer.optimizer_steps
         self.synced = False
         for pending in [pending for pending in self.pending if pending.merge_at <= now]:
-            self._merge(pending)
+            self._complete(pending)
         for fragment in starting:
-            pending = self._start(fragment, now + self.outer.delay)
+            pending = self._begin(fragment, now + self.outer.delay)
             if self.outer.delay == 0:
-                self._merge(pending)
+                self._complete(pending)
         return self.synced
+
+    def sync(self) -> bool:
+        """Synchronise now, on every worker (a collective; every rank calls it at the same point): merge the
+        exchanges in flight, then exchange and merge at once every fragment whose parameters moved since
+        (:meth:`~lightning_gradcomp.local.outer.OuterModel.unsynchronised`), and put ``θ_global`` (and the
+        averaged buffers) into every worker's parameters. Whether anything was exchanged.
+
+        The end-of-training rule: the strategies call it when ``fit`` ends, so a partial window's inner
+        steps are not lost and every rank ends with the same weights, ``θ_global``. The schedule goes on
+        from the step counter: a later window after a :meth:`sync` is shorter."""
+        self.synced = False
+        for pending in list(self.pending):
+            self._complete(pending)
+        due = [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)]
+        for fragment in due:
+            self._complete(self._begin(fragment, self.outer.optimizer_steps))
+        self.adopt_global()
+        return bool(due)
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Inside, the module holds ``θ_global`` and the buffers of the last synchronisation (the same on
+        every worker; by reference, no communication): for evaluation and for the model's
+        ``state_dict()`` in a checkpoint. Afterwards it holds the worker's replica again."""
+        with swapped_in([*self.params, *(buffer for _, buffer in self.buffers)],
+                        [*self.outer.global_params, *self.global_buffers.values]):
+            yield
+
+    def adopt_global(self) -> None:
+        """Every worker's parameters and floating-point buffers set to ``θ_global``'s (no communication)."""
+        raise NotImplementedError
+
+    def _begin(self, fragment: int, merge_at: int) -> PendingSync:
+        self.outer.started_at[fragment] = self.outer.optimizer_steps
+        return self._start(fragment, merge_at)
+
+    def _complete(self, pending: PendingSync) -> None:
+        self._merge(pending)
+        self.outer.merged_at[pending.fragment] = self.outer.optimizer_steps
 
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
         raise NotImplementedError
@@ -107,14 +153,17 @@ class LocalUpdateLoop(ScheduledSyncs):
     """
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState) -> None:
+        self.module = module
         named = trainable_parameters(module)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.buffers = list(module.named_buffers())
         self.exchange = exchange
-        self.outer = OuterModel(self.names, self.params, config)
+        self.outer = OuterModel(self.names, self.params, config,
+                                fragment_of=fragment_assignment(module, self.names, config))
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
+        self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
         self.pending: list[PendingSync] = []
         self.synced = False
 
@@ -162,6 +211,12 @@ class LocalUpdateLoop(ScheduledSyncs):
         flat /= self.exchange.driver.world_size
         for buffer, part in zip(tensors, flat.split([buffer.numel() for buffer in tensors])):
             buffer.copy_(part.view_as(buffer))
+        self.global_buffers.record(fragment, [buffer for _, buffer in self.buffers])
+
+    @torch.no_grad()
+    def adopt_global(self) -> None:
+        self.outer.merge(self.params, range(len(self.params)), 0.0)
+        self.global_buffers.copy_into([buffer for _, buffer in self.buffers])
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self, optimizers: Sequence[Optimizer] = ()) -> dict[str, Any]:
@@ -169,10 +224,12 @@ class LocalUpdateLoop(ScheduledSyncs):
         window), its inner optimizers' states, the outer state (the same on every rank) and the
         synchronisations started but not merged (their averages; waits for them)."""
         return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer),
-                "pending": [pending.state_dict() for pending in self.pending]}
+                "pending": [pending.state_dict() for pending in self.pending],
+                "global_buffers": self.global_buffers.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
         load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
+        self.global_buffers.load_state_dict(state.get("global_buffers"))
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = [PendingSync.from_state_dict(pending, device) for pending in state.get("pending", [])]
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.core.device import state_dtype
 from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.fragments import assign_fragments, checked_assignment
 
 
 class OuterModel:
@@ -35,10 +36,14 @@ class OuterModel:
     Args:
         names: the trainable parameters' names (the same on every worker).
         params: the parameters, whose values at construction become ``θ_global``.
-        config: ``sync_every``, the outer optimizer, the fragments, ``delay`` and ``alpha``.
+        config: ``sync_every``, the outer optimizer, the fragments, ``delay``, ``overlap`` and ``alpha``.
+        fragment_of: the fragment of each parameter, from :func:`fragment_assignment` (which sees the
+            module); ``None``: from the names alone (:func:`assign_fragments`: modules dealt out in turn, or
+            the user's fragments given by name).
     """
 
-    def __init__(self, names: Sequence[str], params: Sequence[Tensor], config: LocalUpdates) -> None:
+    def __init__(self, names: Sequence[str], params: Sequence[Tensor], config: LocalUpdates,
+                 fragment_of: Optional[Sequence[int]] = None) -> None:
         self.names = list(names)
         self.global_params = [torch.nn.Parameter(p.detach().to(dtype=state_dtype(p.dtype), copy=True),
                                                  requires_grad=False) for p in params]
@@ -46,15 +51,22 @@ class OuterModel:
         self.sync_every = config.sync_every
         self.delay = config.delay
         self.alpha = float(config.alpha)
-        #: the fragment of each parameter (see :func:`assign_fragments`)
-        self.fragment_of = assign_fragments(self.names, config.fragments)
-        self.fragments = config.fragments
+        #: ``F``, the number of fragments
+        self.fragments = config.fragment_count
+        #: the fragment of each parameter (see :func:`fragment_assignment`)
+        self.fragment_of = (assign_fragments(self.names, config.fragments) if fragment_of is None
+                            else checked_assignment(fragment_of, self.names, self.fragments))
+        #: where the ``delay`` overlapped steps lie: ``"after"`` a fragment's step or ``"before"`` it (torchft's)
+        self.overlap = config.overlap
         #: inner optimizer steps so far (all windows)
         self.optimizer_steps = 0
         #: fragment synchronisations merged so far
         self.syncs = 0
         #: ``‖Δ̄‖₂`` of the last synchronisation (``nan`` before the first, or when it was not finite)
         self.last_norm = math.nan
+        #: per fragment, the inner step at which its last exchange started and the one at which it merged
+        self.started_at = [0] * self.fragments
+        self.merged_at = [0] * self.fragments
 
     @property
     def inner_steps(self) -> int:
@@ -67,11 +79,21 @@ class OuterModel:
 
     def count_step(self) -> list[int]:
         """Count one inner optimizer step; the fragments whose exchange starts now (Streaming DiLoCo's
-        staggered schedule: fragment ``f`` after steps ``t ≡ (f+1)·H/F (mod H)``)."""
+        staggered schedule: fragment ``f`` after steps ``t ≡ (f+1)·H/F (mod H)``, merged ``τ = delay`` steps
+        later; with ``overlap="before"``, torchft's, after steps ``t ≡ (f+1)·H/F − τ``, merged after steps
+        ``t ≡ (f+1)·H/F``)."""
         self.optimizer_steps += 1
         position = self.optimizer_steps % self.sync_every
         stride = self.sync_every // self.fragments
-        return [f for f in range(self.fragments) if ((f + 1) * stride) % self.sync_every == position]
+        lead = self.delay if self.overlap == "before" else 0
+        return [f for f in range(self.fragments) if ((f + 1) * stride - lead) % self.sync_every == position]
+
+    def unsynchronised(self, fragment: int) -> bool:
+        """Whether ``fragment``'s parameters moved since the state its last exchange measured: an inner step
+        after its last merge (``α = 0``: the merge made the worker's parameters ``θ_global``), or after its
+        last start (``α > 0``: the merge kept a share of the overlapped steps)."""
+        since = self.started_at[fragment] if self.alpha > 0 else self.merged_at[fragment]
+        return self.optimizer_steps > since
 
     @torch.no_grad()
     def outer_gradients(self, params: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
@@ -120,7 +142,8 @@ class OuterModel:
         """``θ_global`` (CPU copies, by name), the outer optimizer's state, the step counters."""
         return {"global": {name: glob.detach().cpu().clone() for name, glob in zip(self.names, self.global_params)},
                 "optimizer": cpu_copy(self.optimizer.state_dict()), "optimizer_steps": self.optimizer_steps,
-                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": self.fragments}
+                "syncs": self.syncs, "sync_every": self.sync_every, "fragments": self.fragments,
+                "overlap": self.overlap, "started_at": list(self.started_at), "merged_at": list(self.merged_at)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,32 +157,17 @@ class OuterModel:
         self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer_steps = int(state["optimizer_steps"])
         self.syncs = int(state["syncs"])
-        saved_schedule = (int(state.get("sync_every", self.sync_every)), int(state.get("fragments", self.fragments)))
-        if saved_schedule != (self.sync_every, self.fragments):
-            warnings.warn(f"gradcomp: the checkpoint was written with sync_every, fragments = {saved_schedule}, this "
-                          f"run has {(self.sync_every, self.fragments)}; the step counter ({self.optimizer_steps}) is "
-                          "kept and the new schedule follows from it", UserWarning, stacklevel=2)
-
-
-def assign_fragments(names: Sequence[str], fragments: int) -> list[int]:
-    """The fragment of each parameter: modules (a parameter's name without its last component) in order of
-    first appearance, module ``i`` to fragment ``i mod fragments`` (strided groups of layers, as Streaming
-    DiLoCo's); a module's parameters stay together."""
-    modules: dict[str, int] = {}
-    for name in names:
-        modules.setdefault(name.rpartition(".")[0], len(modules))
-    if len(modules) < fragments:
-        raise ValueError(f"`fragments` ({fragments}) must be at most the number of modules with trainable parameters "
-                         f"({len(modules)})")
-    return [modules[name.rpartition(".")[0]] % fragments for name in names]
-
-
-def buffer_fragments(buffer_names: Sequence[str], param_names: Sequence[str], fragment_of: Sequence[int],
-                     fragments: int) -> list[int]:
-    """The fragment of each buffer: its module's, or the last fragment for a module without trainable
-    parameters (synchronised at the end of each window)."""
-    by_module = {name.rpartition(".")[0]: fragment for name, fragment in zip(param_names, fragment_of)}
-    return [by_module.get(name.rpartition(".")[0], fragments - 1) for name in buffer_names]
+        for key in ("started_at", "merged_at"):  # absent in checkpoints of 0.9 and before: every fragment due
+            saved_steps = state.get(key)
+            steps = [int(step) for step in saved_steps] if saved_steps is not None else []
+            setattr(self, key, steps if len(steps) == self.fragments else [0] * self.fragments)
+        saved_schedule = (int(state.get("sync_every", self.sync_every)), int(state.get("fragments", self.fragments)),
+                          str(state.get("overlap", "after")))
+        if saved_schedule != (self.sync_every, self.fragments, self.overlap):
+            warnings.warn(f"gradcomp: the checkpoint was written with sync_every, fragments, overlap = {saved_schedule}, "
+                          f"this run has {(self.sync_every, self.fragments, self.overlap)}; the step counter "
+                          f"({self.optimizer_steps}) is kept and the new schedule follows from it", UserWarning,
+                          stacklevel=2)
 
 
 def buffer_dtype(buffers: Sequence[Tensor]) -> torch.dtype:

@@ -10,6 +10,9 @@ user's model, optimizer and training code run unchanged::
             with sim.worker(worker):
                 loss_fn(model(part)).backward(); optimizer.step(); optimizer.zero_grad()
         sim.step()                              # every 50 steps: the outer synchronisation
+    with sim.global_weights():                  # θ_global in the module: evaluate, save model.state_dict()
+        evaluate(model)
+    sim.sync()                                  # the end: every replica (and the module) set to θ_global
 
 The synchronisation runs every worker's outer gradient through the same engine as a real rank, with
 the in-process driver (:class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange`), averages the
@@ -31,8 +34,15 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.global_model import GlobalBuffers
 from lightning_gradcomp.local.loop import load_local_state, local_state, PendingSync, ScheduledSyncs
-from lightning_gradcomp.local.outer import averaged, buffer_dtype, buffer_fragments, OuterModel, trainable_parameters
+from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
+from lightning_gradcomp.local.outer import (
+    averaged,
+    buffer_dtype,
+    OuterModel,
+    trainable_parameters,
+)
 
 
 class _Replica:
@@ -70,9 +80,11 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         self.params = [p for _, p in named]
         self.buffers = list(module.named_buffers())
         self.optimizers = list(optimizers)
-        self.outer = OuterModel(self.names, self.params, config)
+        self.outer = OuterModel(self.names, self.params, config,
+                                fragment_of=fragment_assignment(module, self.names, config))
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
+        self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
         self.pending: list[PendingSync] = []
         self.synced = False
         first = _Replica([p.data for p in self.params], [b.data for _, b in self.buffers],
@@ -168,6 +180,17 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         for replica in self.replicas:
             for buffer, part in zip(mine(replica), parts):
                 buffer.copy_(part.view_as(buffer))
+        self.global_buffers.record(fragment, self.replicas[0].buffers)
+
+    @torch.no_grad()
+    def adopt_global(self) -> None:
+        """Every replica's parameters and floating-point buffers set to ``θ_global``'s."""
+        self._keep()
+        everything = range(len(self.params))
+        for replica in self.replicas:
+            self.outer.merge(replica.params, everything, 0.0)
+            self.global_buffers.copy_into(replica.buffers)
+        self.enter(self.current)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
@@ -181,6 +204,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
             states.append(local_state(self.names, self.params, self.buffers, self.optimizers,
                                       self.outer if worker == 0 else None))
         states[0]["pending"] = [pending.state_dict() for pending in self.pending]
+        states[0]["global_buffers"] = self.global_buffers.state_dict()
         self.enter(current)
         return states
 
@@ -197,4 +221,5 @@ class SimulatedLocalUpdates(ScheduledSyncs):
             self._keep()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = [PendingSync.from_state_dict(pending, device) for pending in states[0].get("pending", [])]
+        self.global_buffers.load_state_dict(states[0].get("global_buffers"))
         self.enter(current)

@@ -70,11 +70,14 @@ def main() -> None:
         state["epoch"] = epoch + 1
         if args.save_at == epoch + 1:
             fabric.save(args.save, state)
+    result = {"replica_params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    if args.local:
+        fabric.strategy.gradcomp.sync()  # the end of training: every rank's model set to θ_global
     with torch.no_grad():
         x, y = data.test_set.tensors
         accuracy = (model(x).argmax(1) == y).float().mean().item()
-    result = {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-              "test_acc": accuracy, "steps": steps}
+    result.update({"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+                   "test_acc": accuracy, "steps": steps})
     if args.strategy != "ddp":
         handle = fabric.strategy.gradcomp
         result.update(hook_step=handle.hook_state.step, totals=handle.totals.state_dict(),

@@ -69,6 +69,10 @@ class RecordSteps(Callback):
 
     def __init__(self) -> None:
         self.steps: list[dict] = []
+        self.validated: list[float] = []  # the parameters' sum each validation saw
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.validated.append(float(sum(p.detach().double().sum() for p in pl_module.parameters())))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
@@ -80,7 +84,9 @@ class RecordSteps(Callback):
                                "lr": trainer.optimizers[0].param_groups[0]["lr"],
                                "active": repr(strategy.hook_state.compressor),
                                "bytes_sent": stats.bytes_sent, "bytes_dense": stats.bytes_dense,
-                               "density": stats.density, "hook_step": strategy.hook_state.step})
+                               "density": stats.density, "hook_step": strategy.hook_state.step,
+                               # inside the batch: this rank's replica (local updates: apart between syncs)
+                               "param_sum": float(sum(p.detach().double().sum() for p in pl_module.parameters()))})
 
 
 class TwoOptimizers(DigitsClassifier):
@@ -193,6 +199,7 @@ def main() -> None:
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "global_step": trainer.global_step,
         "steps": recorder.steps,
+        "validated": recorder.validated,
         "world_size": trainer.world_size,
     }
     if isinstance(trainer.strategy, GradCompSimStrategy):
@@ -206,7 +213,8 @@ def main() -> None:
     outer = getattr(getattr(trainer.strategy, "local_loop", None) or getattr(trainer.strategy, "local", None),
                     "outer", None)
     if outer is not None:
-        result.update(global_params=[g.detach().clone() for g in outer.global_params], syncs=outer.syncs,
+        result.update(global_params=[g.detach().clone() for g in outer.global_params], global_names=outer.names,
+                      syncs=outer.syncs,
                       inner_steps=outer.inner_steps)
     if args.test:
         result["test_acc"] = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]

@@ -1,0 +1,164 @@
+"""Local updates under the Trainer: ``θ_global`` is the model everywhere but in the training batches.
+
+During ``fit`` every rank trains its own replica; validation (also mid-training), every checkpoint's
+model ``state_dict`` and the weights ``fit`` ends with are ``θ_global``'s, the same on every rank:
+
+- from ``on_validation_start`` (also ``on_test_start``, ``on_predict_start``) to the matching ``..._end``,
+  every callback's, the LightningModule's and the evaluation steps included, the module holds
+  ``θ_global`` and the buffers of the last synchronisation (by reference, no communication);
+- ``lightning_module_state_dict`` (what ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write as
+  ``"state_dict"``) is taken with ``θ_global`` in the module; the per-rank replicas, inner-optimizer
+  states and the outer state travel in the checkpoint's ``"gradcomp"`` entry, so a resume is exact;
+- when ``fit`` ends, before any callback's ``on_train_end`` (``ModelCheckpoint(save_last=True)`` saves
+  there), the outer loop's :meth:`~lightning_gradcomp.local.loop.ScheduledSyncs.sync` merges the
+  exchanges in flight and synchronises the fragments with inner steps since their last
+  synchronisation: a partial window is not lost, and every rank ends with ``θ_global``;
+- a ``fit`` that fails (an exception, a dead peer) leaves ``θ_global`` as of the last synchronisation in
+  the module, without communicating.
+
+Callbacks that run inside a training batch (``on_train_batch_start`` / ``_end``,
+``on_before_optimizer_step``...) see the rank's replica, which is what the batch trains.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_gradcomp.local.loop import ScheduledSyncs
+
+
+class _GlobalModelFirst(Callback):
+    """Placed first among the callbacks while a ``fit`` trains with local updates, so that the other
+    callbacks see ``θ_global``: at ``on_validation_start`` (and test, predict) it is put into the module
+    (the strategy's matching ``..._end`` hook, which Lightning calls after the callbacks', puts the replica
+    back), and at ``on_train_end`` the final synchronisation runs."""
+
+    def __init__(self, strategy: "ShowsGlobalModel") -> None:
+        self.strategy = strategy
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy._show_global()
+
+    @override
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy._show_global()
+
+    @override
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy._show_global()
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.finish_local_updates()
+
+
+class ShowsGlobalModel:
+    """Mixin for the Trainer strategies: under local updates, ``θ_global`` is what evaluation, checkpoints
+    and the end of ``fit`` see (see the module docstring). The host class provides :attr:`outer_loop`
+    and calls :meth:`_start_showing_global_model` from ``setup`` when fitting."""
+
+    _fitting_locally = False
+    _evaluation_view: Optional[ExitStack] = None
+    _end_callback: Optional[_GlobalModelFirst] = None
+    _callbacks: Optional[list[Any]] = None  # the Trainer's callback list the end callback is in
+
+    @property
+    def outer_loop(self) -> Optional[ScheduledSyncs]:
+        """The outer loop of local updates (``None``: gradients exchanged every step)."""
+        raise NotImplementedError
+
+    def _start_showing_global_model(self, trainer: Any) -> None:
+        """From ``setup``: when this ``fit`` trains with local updates, place :class:`_GlobalModelFirst` first
+        among the callbacks and show ``θ_global`` to evaluation and checkpoints until ``fit`` ends."""
+        self._fitting_locally = trainer.state.fn == TrainerFn.FITTING and self.outer_loop is not None
+        if self._fitting_locally and self._end_callback is None:
+            self._end_callback = _GlobalModelFirst(self)
+            self._callbacks = trainer.callbacks
+            self._callbacks.insert(0, self._end_callback)
+
+    def finish_local_updates(self) -> None:
+        """The end of ``fit``: the final synchronisation (a collective, on every rank; once)."""
+        if self._fitting_locally and self.outer_loop is not None:
+            self._fitting_locally = False
+            self.outer_loop.sync()
+
+    # ------------------------------------------------------------------ evaluation inside fit
+    def _show_global(self) -> None:
+        if self._fitting_locally and self._evaluation_view is None and self.outer_loop is not None:
+            self._evaluation_view = ExitStack()
+            self._evaluation_view.enter_context(self.outer_loop.global_weights())
+
+    def _show_replica(self) -> None:
+        view, self._evaluation_view = self._evaluation_view, None
+        if view is not None:
+            view.close()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()  # type: ignore[misc]
+        self._show_global()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._show_replica()
+        super().on_validation_end()  # type: ignore[misc]
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()  # type: ignore[misc]
+        self._show_global()
+
+    @override
+    def on_test_end(self) -> None:
+        self._show_replica()
+        super().on_test_end()  # type: ignore[misc]
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()  # type: ignore[misc]
+        self._show_global()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._show_replica()
+        super().on_predict_end()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ checkpoints, the end
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's ``state_dict`` with ``θ_global`` in it while a ``fit`` trains with local updates."""
+        if not self._fitting_locally or self._evaluation_view is not None or self.outer_loop is None:
+            return super().lightning_module_state_dict()  # type: ignore[misc]
+        with self.outer_loop.global_weights():
+            return super().lightning_module_state_dict()  # type: ignore[misc]
+
+    @override
+    def on_train_end(self) -> None:
+        self.finish_local_updates()  # when the callback was removed from trainer.callbacks
+        super().on_train_end()  # type: ignore[misc]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed ``fit`` leaves ``θ_global`` as of the last synchronisation in the module (no
+        communication: a peer may be dead)."""
+        self._show_replica()
+        if self._fitting_locally and self.outer_loop is not None:
+            self._fitting_locally = False
+            self.outer_loop.adopt_global()
+        super().on_exception(exception)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        self._show_replica()
+        self._fitting_locally = False
+        callback, self._end_callback = self._end_callback, None
+        if callback is not None and self._callbacks is not None and callback in self._callbacks:
+            self._callbacks.remove(callback)
+        self._callbacks = None
+        super().teardown()  # type: ignore[misc]

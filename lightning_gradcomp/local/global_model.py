@@ -1,0 +1,81 @@
+"""``θ_global`` as the model: what evaluation, checkpoints and the end of training see under local updates.
+
+Between two synchronisations every worker holds its own replica ``θ_w``; the model DiLoCo defines,
+evaluates and ships is ``θ_global`` (Douillard et al. 2023, Algorithm 1), the same on every worker. The
+outer loops (:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop`,
+:class:`~lightning_gradcomp.local.simulated.SimulatedLocalUpdates`) keep ``θ_global`` in fp32 and the
+buffers of the last synchronisation (:class:`GlobalBuffers`); :func:`swapped_in` puts them into the module
+for a while, by reference (no copy for fp32 parameters, no communication), and puts the replica back.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+@contextmanager
+def swapped_in(tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> Iterator[None]:
+    """Inside, each of ``tensors`` (parameters, buffers) holds its value in ``values`` (``None``: left as
+    it is): the tensor's ``.data`` points at the value (cast to the tensor's dtype where they differ, a
+    copy), so ``module.state_dict()`` and every forward see it. Afterwards each holds its own data again.
+
+    The values are shared, not copied: write nothing into the module's tensors inside."""
+    kept = [tensor.data for tensor in tensors]
+    try:
+        for tensor, value in zip(tensors, values):
+            if value is not None:
+                tensor.data = value.detach() if value.dtype == tensor.dtype else value.detach().to(tensor.dtype)
+        yield
+    finally:
+        for tensor, data in zip(tensors, kept):
+            tensor.data = data
+
+
+class GlobalBuffers:
+    """The buffers of ``θ_global``: each floating-point buffer as of its fragment's last synchronisation
+    (the workers' average); integer buffers (``num_batches_tracked``) advance alike on every worker and are
+    the worker's own (``None`` here).
+
+    Args:
+        buffers: the module's buffers, whose values now (the same on every worker) start the record.
+        fragment_of: each buffer's fragment.
+    """
+
+    def __init__(self, buffers: Sequence[Tensor], fragment_of: Sequence[int]) -> None:
+        self.values: list[Optional[Tensor]] = [buffer.detach().clone() if buffer.is_floating_point() else None
+                                               for buffer in buffers]
+        self.fragment_of = list(fragment_of)
+
+    @torch.no_grad()
+    def record(self, fragment: int, buffers: Sequence[Tensor]) -> None:
+        """Keep ``fragment``'s buffers (all of the module's, in order), just averaged."""
+        for value, buffer, owner in zip(self.values, buffers, self.fragment_of):
+            if value is not None and owner == fragment:
+                value.copy_(buffer)
+
+    @torch.no_grad()
+    def copy_into(self, buffers: Sequence[Tensor]) -> None:
+        """Write the recorded values into ``buffers`` (all of the module's, in order)."""
+        for value, buffer in zip(self.values, buffers):
+            if value is not None:
+                buffer.copy_(value)
+
+    def state_dict(self) -> list[Optional[Tensor]]:
+        return [value.detach().cpu().clone() if value is not None else None for value in self.values]
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Optional[list[Any]]) -> None:
+        """Restore a :meth:`state_dict` (``None``, from a checkpoint written before it existed: keep the
+        values the module was built with, which are the checkpoint's model buffers)."""
+        if state is None:
+            return
+        if len(state) != len(self.values):
+            raise ValueError(f"gradcomp: the checkpoint holds {len(state)} global buffers, the model has "
+                             f"{len(self.values)}")
+        for value, saved in zip(self.values, state):
+            if value is not None and saved is not None:
+                value.copy_(saved)
