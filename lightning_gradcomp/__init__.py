@@ -38,6 +38,7 @@ from lightning_gradcomp.compressors import (
     get_compressor,
 )
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
+from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
@@ -69,14 +70,14 @@ _registration.install()
 __all__ = [
     "BF16",
     "CollectiveError",
+    "Compressor",
     "DGC",
     "DeMo",
     "EFSignSGD",
     "FP16",
     "FP4AllReduce",
     "FP8AllReduce",
-    "QSGD",
-    "Compressor",
+    "FSDPHandle",
     "GradCompFabricStrategy",
     "GradCompHandle",
     "GradCompHookState",
@@ -89,6 +90,7 @@ __all__ = [
     "Network",
     "NoCompression",
     "PowerSGD",
+    "QSGD",
     "RandomK",
     "SignSGD",
     "SimulatedLocalUpdates",
@@ -101,4 +103,5 @@ __all__ = [
     "gradcomp_hook",
     "local_updates",
     "register",
+    "register_fsdp",
 ]

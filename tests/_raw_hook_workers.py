@@ -140,5 +140,5 @@ def check_register_refuses_sharded_and_second_registrations(rank: int, world_siz
     handle.use_compressor(None)
     assert type(handle.hook_state.compressor).__name__ == "NoCompression"
     sharded = fully_shard(torch.nn.Linear(64, 64), mesh=init_device_mesh("cpu", (world_size,)))
-    with pytest.raises(ValueError, match=r"sharded model.*not supported yet.*DistributedDataParallel"):
+    with pytest.raises(ValueError, match=r"sharded model.*register_fsdp\(model, mesh, compressor\).*DistributedDataParallel"):
         lightning_gradcomp.register(sharded, "topk")

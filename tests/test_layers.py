@@ -16,6 +16,7 @@ LAYERS = {
     "exchange": 2,
     "ddp": 3,
     "local": 4,
+    "fsdp": 4,
     "lightning": 5,
     "tools": 6,
     "examples": 6,

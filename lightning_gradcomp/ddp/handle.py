@@ -112,7 +112,7 @@ class GradCompHandle:
         The first bucket a compressor exchanges warns when it reads an optimizer and none is bound."""
         if self.hook_state.compressor is not self._examined:
             self._examined = self.hook_state.compressor
-            _warn_if_unbound(self._examined)
+            warn_if_unbound(self._examined)
         return self.hook_state.exchange(bucket)
 
     # ------------------------------------------------------------------ figures
@@ -278,7 +278,7 @@ def _warn_grad_scaler(scaler: Any, handle: GradCompHandle) -> None:
         UserWarning, stacklevel=3)
 
 
-def _warn_if_unbound(compressor: Compressor) -> None:
+def warn_if_unbound(compressor: Compressor) -> None:
     """Warn when ``compressor`` reads its optimizer (DeMo's learning rate) and none is bound."""
     if compressor.awaits_optimizer:
         warnings.warn(
@@ -321,8 +321,9 @@ def register(
         raise ValueError(
             f"gradcomp: register() compresses the buckets of a DistributedDataParallel model; got a sharded model "
             f"({type(ddp_model).__name__}: fully_shard / FullyShardedDataParallel), whose gradients FSDP reduce-scatters "
-            "itself. Compressing FSDP's traffic between replicas (HSDP) is not supported yet; allowed: a model "
-            "replicated on every rank, wrapped in torch.nn.parallel.DistributedDataParallel")
+            "itself. To compress what FSDP2 replicas exchange (HSDP), shard with fully_shard(module, mesh=mesh['shard']) "
+            "of a ('replicate', 'shard') mesh and call lightning_gradcomp.register_fsdp(model, mesh, compressor); "
+            "register() takes a model replicated on every rank, wrapped in torch.nn.parallel.DistributedDataParallel")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"`ddp_model` must be a torch.nn.parallel.DistributedDataParallel, got "
                          f"{type(ddp_model).__name__}; wrap the model first: DistributedDataParallel(model)")

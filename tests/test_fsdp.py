@@ -1,0 +1,31 @@
+"""Compressed HSDP (``register_fsdp``): FSDP2 inside a replica on gloo, the exchange between replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._fsdp_workers import (
+    check_bad_meshes_and_modules_are_refused,
+    check_bytes_accumulation_bf16_and_resume,
+    check_every_compressor_against_the_oracle,
+    check_none_equals_native_hsdp,
+)
+from tests._processes import run_gloo
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_uncompressed_equals_native_hsdp() -> None:
+    run_gloo(check_none_equals_native_hsdp, 4)
+
+
+def test_every_compressor_on_shards_equals_the_in_process_exchange() -> None:
+    run_gloo(check_every_compressor_against_the_oracle, 4)
+
+
+def test_bytes_accumulation_bf16_residuals_and_exact_resume() -> None:
+    run_gloo(check_bytes_accumulation_bf16_and_resume, 4)
+
+
+def test_bad_meshes_and_modules_are_refused() -> None:
+    run_gloo(check_bad_meshes_and_modules_are_refused, 4)
