@@ -10,7 +10,11 @@ the shaped link). Every method runs in its own 4 processes (gloo, one CPU thread
 cores are shared, so compute is slower than in ``slow_link.py``), one after the other: plain DDP,
 PyTorch's PowerSGD hook (rank 2), gradcomp flat (every rank exchanges compressed with every rank) and
 hierarchical (``hierarchy="node"``: dense inside the node, compressed between nodes), and ``noop_hook``,
-the bound where communication costs nothing. Printed: median step time over ``--steps`` steps after
+the bound where communication costs nothing. With ``--methods hsdp...`` the model is sharded with FSDP2
+inside each node instead (a ``("replicate", "shard")`` mesh): native HSDP all-reducing the shards between
+the nodes in fp32 (``hsdp``) or bf16 (``hsdp_bf16``, ``MixedPrecisionPolicy(reduce_dtype=bf16)``),
+``register_fsdp`` with Top-k 0.1%, int8 or PowerSGD rank 2 (``hsdp_topk``, ``hsdp_int8``,
+``hsdp_powersgd``), and ``hsdp_noop``, FSDP inside the node with nothing between the nodes (the bound). Printed: median step time over ``--steps`` steps after
 warm-up, ratios to DDP and to the bound, and the communication time the network model predicts for
 the collectives rank 0 logged (``Network(rate, local_size=2, intra_bandwidth_gbps=--intra-gbps)``).
 """
@@ -28,6 +32,8 @@ from pathlib import Path
 
 NODES = {"A": ("gcnodeA", "vgcA", "10.77.0.1"), "B": ("gcnodeB", "vgcB", "10.77.0.2")}
 METHODS = ["ddp", "noop", "torch_powersgd", "topk", "topk_hier", "powersgd", "powersgd_hier", "dgc", "dgc_hier"]
+#: sharded models: FSDP2 inside a node, native HSDP (fp32, bf16 reduce) or register_fsdp between the nodes
+HSDP_METHODS = ["hsdp", "hsdp_bf16", "hsdp_noop", "hsdp_topk", "hsdp_int8", "hsdp_powersgd"]
 LOCAL_SIZE = 2
 
 
@@ -70,6 +76,9 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=NODES["A"][2], MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2 * LOCAL_SIZE)
+    if method.startswith("hsdp"):
+        hsdp_worker(rank, steps, warmup, method, model_name, out)
+        return
     hierarchical = method.endswith("_hier")
     groups = node_groups(2, LOCAL_SIZE) if hierarchical else None  # every rank creates the groups
     method = method.removesuffix("_hier")
@@ -103,6 +112,55 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     if rank == 0:
         Path(out).write_text(json.dumps({"times": step_times, "collectives": collectives, "dense": dense}))
+    dist.destroy_process_group()
+
+
+def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str, out: str) -> None:
+    """One rank of a sharded method: FSDP2 over the node's 2 processes, the nodes as replicas."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+    import lightning_gradcomp
+    from lightning_gradcomp.compressors import PowerSGD, TopK
+    from _timing import ddp_step_times
+    from slow_link import build_model
+
+    mesh = init_device_mesh("cpu", (2, LOCAL_SIZE), mesh_dim_names=("replicate", "shard"))
+    model, batch_shape = build_model(model_name)
+    native = method in ("hsdp", "hsdp_bf16")
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if method == "hsdp_bf16" else None)
+    shard_mesh = mesh if native else mesh["shard"]  # native: a 2-D mesh, FSDP all-reduces the replicas itself
+    blocks = [m for m in model.modules() if type(m).__name__ == "BasicBlock"] or \
+        [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for block in blocks:
+        fully_shard(block, mesh=shard_mesh, mp_policy=policy)
+    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    handle = None
+    if method == "hsdp_noop":
+        for module in [*blocks, model]:
+            module.set_all_reduce_hook(lambda reduce_output: None)
+    elif not native:
+        compressor = {"hsdp_topk": TopK(0.001), "hsdp_int8": "int8", "hsdp_powersgd": PowerSGD(rank=2)}[method]
+        handle = lightning_gradcomp.register_fsdp(model, mesh, compressor)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
+    collectives: list = []
+
+    def keep_collectives() -> None:
+        nonlocal collectives
+        if handle is not None:
+            collectives = handle.hook_state.take_step_stats().collectives
+
+    step_times = ddp_step_times(model, optimizer, x, y, steps, warmup, keep_collectives)
+    # what one rank's shard of the gradients weighs in fp32: what native HSDP all-reduces between the nodes
+    dense = sum(p.to_local().numel() * 4 for p in model.parameters())
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": step_times, "collectives": collectives, "dense": dense,
+                                         "sharded": True}))
     dist.destroy_process_group()
 
 
@@ -151,7 +209,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--intra-gbps", type=float, default=10.0,
                         help="the network model's bandwidth inside a node (this VM's TCP loopback)")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + HSDP_METHODS)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="/tmp/gradcomp_two_level", help=argparse.SUPPRESS)
@@ -174,22 +232,31 @@ def main() -> None:
     print(f"\n# 2 nodes x {LOCAL_SIZE} processes, gloo, 1 thread each, {args.rate} between nodes (veth, tc tbf), "
           f"loopback inside a node; {args.model}; median of {args.steps} steps after {args.warmup} warm-up; "
           f"model: {network}\n")
-    print("| method | step (ms) | speed-up vs DDP | time / noop bound | predicted communication (ms) | "
+    print("| method | step (ms) | speed-up vs DDP (hsdp_*: vs native HSDP fp32) | vs native HSDP bf16 | "
+          "time / noop bound | predicted communication (ms) | "
           "measured step - bound (ms) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for method, (record, failure) in results.items():
         if not record:
-            print(f"| {method} | {failure} | | | | |")
+            print(f"| {method} | {failure} | | | | | |")
             continue
         median = medians[method]
-        if method == "ddp":
+        if record.get("sharded"):  # the replicas' exchange of a shard between the 2 nodes, LOCAL_SIZE at once
+            cross = Network(_rate_gbps(args.rate) / LOCAL_SIZE, 50.0)
+            kept = [tuple(c) for c in record["collectives"]]
+            predicted = (cross.all_reduce_time(record["dense"] / (2 if method == "hsdp_bf16" else 1), 2)
+                         if method in ("hsdp", "hsdp_bf16") else cross.step_time(kept, 2) if kept else 0.0) * 1e3
+        elif method == "ddp":
             predicted = network.all_reduce_time(record["dense"], 2 * LOCAL_SIZE) * 1e3
         elif record["collectives"]:
             predicted = network.step_time([tuple(c) for c in record["collectives"]], 2 * LOCAL_SIZE) * 1e3
         else:
             predicted = float("nan")
-        bound = medians.get("noop", float("nan"))
-        print(f"| {method} | {median:.1f} | {medians.get('ddp', float('nan')) / median:.2f}x | {median / bound:.2f} | "
+        bound = medians.get("hsdp_noop" if method.startswith("hsdp") else "noop", float("nan"))
+        baseline = medians.get("hsdp" if method.startswith("hsdp") else "ddp", float("nan"))
+        versus_bf16 = f"{medians['hsdp_bf16'] / median:.2f}x" if method.startswith("hsdp") and "hsdp_bf16" in medians \
+            else "-"
+        print(f"| {method} | {median:.1f} | {baseline / median:.2f}x | {versus_bf16} | {median / bound:.2f} | "
               f"{predicted:.1f} | {median - bound:.1f} |")
 
 

@@ -255,3 +255,39 @@ def check_one_hardware_queue(rank: int, world_size: int) -> None:
         assert "CUDA_DEVICE_MAX_CONNECTIONS" in str(error)
     else:
         raise AssertionError("exchange_thread=True accepted with CUDA_DEVICE_MAX_CONNECTIONS=1 on NCCL")
+
+
+def check_compressed_hsdp_without_host_sync(rank: int, world_size: int) -> None:
+    """``register_fsdp`` on NCCL (a 1 x 1 mesh), every fixed-size compressor, fp32 and a bf16
+    ``MixedPrecisionPolicy`` (the hook's shard freed after it: ``record_stream``): steps under
+    ``torch.cuda.set_sync_debug_mode("error")`` after two warm-up steps, finite parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for label, compressor in fixed_size_variants():
+        for policy in (MixedPrecisionPolicy(), bf16):
+            model = _model()
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
+            fully_shard(model, mesh=mesh["shard"], mp_policy=policy)
+            handle = lightning_gradcomp.register_fsdp(model, mesh, compressor, min_compress_numel=256)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            handle.bind(optimizer)
+            for step, (x, y) in enumerate(_batches(rank, 5)):
+                if step == 2:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                except RuntimeError as error:
+                    torch.cuda.set_sync_debug_mode(0)
+                    raise AssertionError(f"{label} {policy.param_dtype} step {step}: {error}") from error
+            torch.cuda.set_sync_debug_mode(0)
+            assert handle.hook_state.step == 5 and handle.step_stats.bytes_sent >= 0, label
+            assert all(torch.isfinite(p.to_local()).all() for p in model.parameters()), label
+            handle.close()

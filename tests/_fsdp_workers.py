@@ -203,3 +203,56 @@ def check_bad_meshes_and_modules_are_refused(rank: int, world_size: int) -> None
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     with pytest.raises(ValueError, match="sharded over other ranks than mesh\\['shard'\\]"):
         lightning_gradcomp.register_fsdp(_shard(_model(), other["shard"]), mesh, "topk")
+
+
+def check_a_non_finite_shard(rank: int, world_size: int) -> None:
+    """Replica 0's batch holds an inf: its shards are NaN after FSDP's reduce-scatter. The compressed
+    exchange makes every replica's shards NaN (never finite-looking damage), the ranks whose shard was not
+    finite warn, and the residuals stay as they were."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "topk", min_compress_numel=64)
+    _train(model, rank, steps=1)
+    residuals = {name: r.clone() for name, r in handle.hook_state.memory.residuals.items()}
+    x, y = _batch(1, rank)
+    if rank in (0, 1):  # replica 0
+        x[0, 0] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nn.functional.cross_entropy(model(x), y).backward()
+        handle.step_stats  # closes the step: the warnings that reached the host
+    for name, p in model.named_parameters():
+        assert torch.isnan(p.grad.to_local()).all(), name
+    for name, residual in handle.hook_state.memory.residuals.items():
+        assert torch.equal(residual, residuals[name]), f"the residual of {name} is unchanged"
+    if rank in (0, 1):  # the ranks whose own shard was not finite say so
+        assert any("not finite" in str(w.message) or "non-finite" in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+    handle.close()
+
+
+def check_refusals_and_a_non_finite_shard(rank: int, world_size: int) -> None:
+    check_bad_meshes_and_modules_are_refused(rank, world_size)
+    check_a_non_finite_shard(rank, world_size)
+
+
+def check_no_host_reads_in_the_fsdp_hook(rank: int, world_size: int) -> None:
+    """Every fixed-size compressor along the accelerator path (CPU tensors take it): no host read in the
+    FSDP hook's exchange, the replicas agree, the parameters stay finite."""
+    from tests._host_sync import checking_the_exchange
+    from tests._sync_workers import fixed_size_variants
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for label, compressor in fixed_size_variants():
+        model = _shard(_model(), mesh["shard"])
+        handle = lightning_gradcomp.register_fsdp(model, mesh, compressor, min_compress_numel=64)
+        with checking_the_exchange():
+            _train(model, rank, steps=2)
+        local = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+        assert torch.isfinite(local).all(), label
+        gathered = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(gathered, local, group=mesh["replicate"].get_group())
+        assert torch.equal(gathered[0], gathered[1]), label
+        handle.close()

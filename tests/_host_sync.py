@@ -78,6 +78,7 @@ def checking_the_exchange() -> Iterator[None]:
     every bucket protocol for host reads."""
     bucket: Callable = ExchangeEngine.bucket
     exchange: Callable = GradCompHookState.exchange
+    exchange_now: Callable = GradCompHookState.exchange_now  # register_fsdp's hook, local updates' syncs
     tolist: Callable = torch.Tensor.tolist
 
     def checked_tolist(self: torch.Tensor) -> Any:
@@ -92,14 +93,20 @@ def checking_the_exchange() -> Iterator[None]:
         with no_host_reads():
             return exchange(self, *args, **kwargs)
 
+    def checked_exchange_now(self: GradCompHookState, *args: Any, **kwargs: Any) -> Any:
+        with no_host_reads():
+            return exchange_now(self, *args, **kwargs)
+
     with ExitStack() as stack:
         stack.enter_context(accelerator_path())
         ExchangeEngine.bucket = checked_bucket  # type: ignore[method-assign]
         GradCompHookState.exchange = checked_exchange  # type: ignore[method-assign]
+        GradCompHookState.exchange_now = checked_exchange_now  # type: ignore[method-assign]
         torch.Tensor.tolist = checked_tolist  # type: ignore[method-assign]
         try:
             yield
         finally:
             ExchangeEngine.bucket = bucket  # type: ignore[method-assign]
             GradCompHookState.exchange = exchange  # type: ignore[method-assign]
+            GradCompHookState.exchange_now = exchange_now  # type: ignore[method-assign]
             torch.Tensor.tolist = tolist  # type: ignore[method-assign]

@@ -179,9 +179,13 @@ def check_the_global_model_and_the_final_sync(rank: int, world_size: int) -> Non
     replicas = [None] * world_size
     dist.all_gather_object(replicas, replica)
     assert any(not torch.equal(replicas[0][name], replicas[1][name]) for name in replica), "apart inside a window"
-    with handle.global_weights():  # every rank: the same weights
+    with handle.global_weights():  # every rank: the same weights; a checkpoint taken inside holds the replica
         views = [None] * world_size
         dist.all_gather_object(views, {name: value.clone() for name, value in model.state_dict().items()})
+        entry = handle.state_dict()
+    if rank == 0:
+        for name, value in entry["ranks"][0]["local"]["params"].items():
+            assert torch.equal(value, replica[name]), name
     for name in replica:
         assert torch.equal(views[0][name], views[1][name]), name
         if seen is not None:
@@ -244,6 +248,11 @@ def check_a_rank_0_only_state_dict_raises_with_advice(rank: int, world_size: int
     if rank == 0:
         with pytest.raises(CheckpointTimeout, match=r"waited 1.5 s .* call it on every rank first"):
             handle.state_dict()
+    dist.barrier()
+    # the gathers are out of step for good: rank 0 says so at once, rank 1's gather fails, saying why
+    out_of_step = "an earlier state_dict\\(\\) (timed out|called on some ranks)|waited 1.5 s"
+    with pytest.raises(RuntimeError, match=out_of_step):
+        handle.state_dict()
     dist.barrier()
     handle.close()
 

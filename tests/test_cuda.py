@@ -106,6 +106,12 @@ def test_four_gloo_ranks_with_cuda_tensors() -> None:
 
 
 @pytest.mark.multiprocess
+def test_compressed_hsdp_on_nccl_has_no_host_synchronisation() -> None:
+    """register_fsdp's hook on FSDP2's all-reduce stream (issue 37)."""
+    workers.run_on_gpu(workers.check_compressed_hsdp_without_host_sync, 1, "nccl")
+
+
+@pytest.mark.multiprocess
 def test_no_host_synchronisation_in_the_hook_on_nccl() -> None:
     """``torch.cuda.set_sync_debug_mode("error")`` around steps of every fixed-size compressor."""
     workers.run_on_gpu(workers.check_no_sync_in_the_hook, 1, "nccl")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tests._fsdp_workers import (
-    check_bad_meshes_and_modules_are_refused,
+    check_refusals_and_a_non_finite_shard,
     check_bytes_accumulation_bf16_and_resume,
     check_every_compressor_against_the_oracle,
+    check_no_host_reads_in_the_fsdp_hook,
     check_none_equals_native_hsdp,
 )
 from tests._processes import run_gloo
@@ -27,5 +28,9 @@ def test_bytes_accumulation_bf16_residuals_and_exact_resume() -> None:
     run_gloo(check_bytes_accumulation_bf16_and_resume, 4)
 
 
-def test_bad_meshes_and_modules_are_refused() -> None:
-    run_gloo(check_bad_meshes_and_modules_are_refused, 4)
+def test_bad_meshes_and_modules_are_refused_and_a_non_finite_shard_is_nan_everywhere() -> None:
+    run_gloo(check_refusals_and_a_non_finite_shard, 4)
+
+
+def test_no_host_reads_in_the_hook_along_the_accelerator_path() -> None:
+    run_gloo(check_no_host_reads_in_the_fsdp_hook, 4)

@@ -549,3 +549,30 @@ def test_global_weights_of_a_bf16_model_are_the_fp32_global_parameters_rounded()
             assert torch.equal(p, glob.to(torch.bfloat16))
     for p, kept in zip(model.parameters(), replica):
         assert torch.equal(p, kept)
+
+
+def test_a_checkpoint_taken_while_the_global_model_is_shown_holds_the_replicas() -> None:
+    """Review of issue 36: ModelCheckpoint saves in on_validation_end, while θ_global is shown; the
+    simulation's state used to record θ_global as worker 0's replica and then share its memory (worker 0's
+    inner steps wrote into θ_global)."""
+    model, sim = simulate(workers=2, compressor="none", steps=SYNC_EVERY + 1)
+    replicas = [[p.clone() for p in replica.params] for replica in sim.replicas]
+    with sim.global_weights():
+        states = sim.state_dicts()
+        with pytest.raises(RuntimeError, match="inside global_weights"):
+            with sim.worker(0):
+                pass
+        with pytest.raises(RuntimeError, match="inside global_weights"):
+            sim.step()
+        for name, glob in zip(sim.names, sim.outer.global_params):
+            assert torch.equal(model.state_dict()[name], glob), "still shown after the checkpoint"
+    for worker, state in enumerate(states):
+        for name, kept in zip(sim.names, replicas[worker]):
+            assert torch.equal(state["params"][name], kept), (worker, name)
+    for p, glob in zip(sim.replicas[0].params, sim.outer.global_params):
+        assert p.data_ptr() != glob.data_ptr(), "worker 0's replica does not share θ_global's memory"
+    before = [glob.clone() for glob in sim.outer.global_params]
+    with sim.worker(0):
+        inner_step(model, sim.optimizers[0], 99, 0)
+    for glob, kept in zip(sim.outer.global_params, before):
+        assert torch.equal(glob, kept), "an inner step leaves θ_global alone"

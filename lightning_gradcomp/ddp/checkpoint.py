@@ -63,6 +63,11 @@ def gather_entry(hook_state: "GradCompHookState", compressor: Compressor, local:
     except RuntimeError as error:
         if group is None:
             raise
+        if "timed out" not in str(error).lower():  # a peer gone, not one that never came
+            raise RuntimeError(
+                f"gradcomp: state_dict()'s gather failed on rank {dist.get_rank()}: a peer died, or an earlier "
+                "state_dict() called on some ranks only timed out and left the gathers out of step (restart the "
+                f"run with state_dict() called on every rank). ({' '.join(str(error).split())[:300]})") from error
         raise CheckpointTimeout(CHECKPOINT_TIMEOUT_ADVICE.format(rank=dist.get_rank(), timeout=_timeout_of(group),
                                                                  error=" ".join(str(error).split())[:300])) from error
     return pack(world_size, compressor, gathered, hook_state.layout) if gathered is not None else None

@@ -46,6 +46,7 @@ from lightning_gradcomp.compressors.base import Compressor, get_compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import (
     check_checkpoint_timeout,
+    CheckpointTimeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
     gather_entry,
@@ -73,10 +74,11 @@ class GradCompHandle:
         #: the optimizers checked against the compressor and bound (:meth:`bind`)
         self._bound: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._examined: Optional[Compressor] = None  # the compressor the first exchange's check looked at
-        self._watch: Optional[_OptimizerWatch] = None
+        self._watch: Optional[OptimizerWatch] = None
         #: the gloo group of :meth:`state_dict`'s gather, made with the handle's ``timeout`` (``None``: the
         #: exchange state's, as under Fabric, whose saves every rank makes)
         self.checkpoint_group: Optional[dist.ProcessGroup] = None
+        self._checkpoint_broken: Optional[str] = None  # the CheckpointTimeout that left the gathers out of step
 
     def use_compressor(self, compressor: Union[Compressor, str, None]) -> None:
         """Switch the compressor between two steps (a name or an instance; ``None``: send uncompressed).
@@ -164,7 +166,22 @@ class GradCompHandle:
         A collective: every rank calls it, then rank 0 saves. Called on some ranks only (inside
         ``if rank == 0:``), it raises :class:`~lightning_gradcomp.ddp.checkpoint.CheckpointTimeout` after the
         ``timeout`` of :func:`register`, naming the fix, instead of hanging."""
-        return gather_entry(self.hook_state, self.compressor, group=self.checkpoint_group)
+        return self._gather_entry()
+
+    def _gather_entry(self, local: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+        """:func:`~lightning_gradcomp.ddp.checkpoint.gather_entry` over :attr:`checkpoint_group`. After a
+        :class:`CheckpointTimeout` the ranks' gathers are out of step for good: every later call raises at
+        once, saying so."""
+        if self._checkpoint_broken is not None:
+            raise CheckpointTimeout(
+                "gradcomp: an earlier state_dict() timed out on this rank, which leaves the ranks' checkpoint "
+                "gathers out of step: no later one can succeed. Restart the run (or build a new handle) with "
+                f"state_dict() called on every rank. The earlier error: {self._checkpoint_broken}")
+        try:
+            return gather_entry(self.hook_state, self.compressor, local, group=self.checkpoint_group)
+        except CheckpointTimeout as error:
+            self._checkpoint_broken = str(error)
+            raise
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict`: every rank loads the same entry, the one
@@ -195,7 +212,7 @@ class GradCompHandle:
         return self.hook_state.error_feedback or self.hook_state.compressor.keeps_state
 
 
-class _OptimizerWatch:
+class OptimizerWatch:
     """:func:`register`'s look at every optimizer step of the process (torch's global step pre-hook, one
     dictionary look-up per step once an optimizer is known; nothing on the device).
 
@@ -213,6 +230,7 @@ class _OptimizerWatch:
         self._steps_the_model: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.scaler_warned = False
         self._removable = register_optimizer_step_pre_hook(self)
+        weakref.finalize(handle, self._removable.remove)  # a handle never closed leaves no hook behind
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handle = self._handle()
@@ -342,7 +360,7 @@ def register(
                                    group=ddp_model.process_group, exchange_thread=exchange_thread, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
-    handle._watch = _OptimizerWatch(handle, list(ddp_model.module.parameters()))
+    handle._watch = OptimizerWatch(handle, list(ddp_model.module.parameters()))
     handle.checkpoint_group = checkpoint_group(ddp_model.process_group, timeout)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     return handle

@@ -39,7 +39,7 @@ from lightning_gradcomp.ddp.checkpoint import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
-from lightning_gradcomp.ddp.handle import GradCompHandle, warn_if_unbound
+from lightning_gradcomp.ddp.handle import GradCompHandle, OptimizerWatch, warn_if_unbound
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
 
@@ -74,6 +74,11 @@ class FSDPHandle(GradCompHandle):
             if self.hook_state.compressor is not self._examined:
                 self._examined = self.hook_state.compressor
                 warn_if_unbound(self._examined)
+            if reduce_output.is_cuda:
+                # FSDP allocated the shard on its reduce-scatter stream and may free it (a reduce dtype other
+                # than the parameters') right after the hook: keep the block from being reused before the
+                # exchange issued here on the all-reduce stream (the hook's current stream) has read it
+                reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
             try:
                 self.hook_state.exchange_now(layout.entries(reduce_output), last)
             except BaseException as error:
@@ -119,6 +124,9 @@ def register_fsdp(
     Every FSDP module is set to reduce-scatter unused parameters too (zero gradients), so that every
     replica sends the same parameters every step. Gradient accumulation with
     ``set_requires_gradient_sync(False)`` on the non-final micro-batches exchanges once per optimizer step.
+    As with :func:`~lightning_gradcomp.register`, the first optimizer that steps the model is checked
+    against the compressor and bound (or call ``handle.bind(optimizer)``), and an fp16 ``GradScaler`` with
+    error feedback is warned about.
     """
     shard_group, replicate_group = _check_mesh(mesh)
     modules = _fsdp_modules(model)
@@ -135,6 +143,7 @@ def register_fsdp(
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     handle = FSDPHandle(hook_state, hook_state.compressor, device, layouts)
     handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
+    handle._watch = OptimizerWatch(handle, list(model.parameters()))  # binds the optimizer at its first step
     for (_, module, _), layout in zip(modules, layouts):
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if layout.slots:

@@ -25,7 +25,7 @@ from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
-from lightning_gradcomp.lightning.global_model import ShowsGlobalModel
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
@@ -88,7 +88,7 @@ class GradCompStrategy(ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
             broadcast), then the outer gradients ``θ_global − θ`` are exchanged with ``compressor`` and the
             outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`. Validation,
             checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters
-            (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.global_model`.
+            (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.local_updates_fit`.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
     """
 

@@ -28,8 +28,8 @@ modules (names, config-friendly, or the modules). See
 Where the ``τ`` overlapped steps lie (``overlap=``): ``"after"`` (default, the paper's Algorithm 2 as
 written): fragment ``f``'s exchange starts after step ``t ≡ (f+1)·H/F`` and is merged ``τ`` steps later;
 ``"before"`` (torchft's ``DiLoCo(fragment_sync_delay=τ)`` schedule): it starts ``τ`` steps earlier, after
-step ``t ≡ (f+1)·H/F − τ``, and is merged after step ``t ≡ (f+1)·H/F``, so that every fragment is merged at
-the end of each window of ``H`` steps.
+step ``t ≡ (f+1)·H/F − τ``, and is merged after step ``t ≡ (f+1)·H/F``, so that all of a window's merges
+happen within that window of ``H`` steps.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class LocalUpdates:
             steps later, the last fragment's in the next window. ``"before"``: torchft's schedule
             (``torchft.local_sgd.DiLoCo(fragment_sync_delay=τ)``, the same fragment order, outer gradients
             and merge): the exchange starts ``τ`` steps before step ``(f+1)·H/F`` and is merged after it, so
-            every fragment is merged at the end of each window. Both are the paper's algorithm up to this
+            all of a window's merges happen within that window. Both are the paper's algorithm up to this
             offset; they are the same schedule when ``τ = 0``.
         alpha: ``α`` in ``[0, 1]``, the share of the worker's own parameters kept when a result is merged
             (0: every worker continues from the global parameters, dropping its ``τ`` overlapped steps'

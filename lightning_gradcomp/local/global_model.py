@@ -17,22 +17,41 @@ import torch
 from torch import Tensor
 
 
-@contextmanager
-def swapped_in(tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> Iterator[None]:
-    """Inside, each of ``tensors`` (parameters, buffers) holds its value in ``values`` (``None``: left as
-    it is): the tensor's ``.data`` points at the value (cast to the tensor's dtype where they differ, a
-    copy), so ``module.state_dict()`` and every forward see it. Afterwards each holds its own data again.
+class SwappedIn:
+    """Tensors (parameters, buffers) pointed at other values while the swap lasts: each tensor's ``.data``
+    is its value (cast to the tensor's dtype where they differ, a copy), so ``module.state_dict()`` and
+    every forward see it; :meth:`restore` points each at its own data again. ``None`` values leave their
+    tensors alone. The values are shared, not copied: nothing may write into the tensors meanwhile.
 
-    The values are shared, not copied: write nothing into the module's tensors inside."""
-    kept = [tensor.data for tensor in tensors]
-    try:
-        for tensor, value in zip(tensors, values):
+    :meth:`own_data` puts the tensors' own data back for a while (a checkpoint of the replica taken while
+    ``θ_global`` is shown)."""
+
+    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
+        self.tensors = list(tensors)
+        self.values = list(values)
+        self.kept = [tensor.data for tensor in self.tensors]
+        self._apply()
+
+    def _apply(self) -> None:
+        for tensor, value in zip(self.tensors, self.values):
             if value is not None:
                 tensor.data = value.detach() if value.dtype == tensor.dtype else value.detach().to(tensor.dtype)
-        yield
-    finally:
-        for tensor, data in zip(tensors, kept):
+
+    def restore(self) -> None:
+        """Every tensor holds its own data again."""
+        for tensor, data in zip(self.tensors, self.kept):
             tensor.data = data
+
+    @contextmanager
+    def own_data(self) -> Iterator[None]:
+        """Inside, the tensors hold their own data (what is written into them is kept); afterwards the
+        values again."""
+        self.restore()
+        try:
+            yield
+        finally:
+            self.kept = [tensor.data for tensor in self.tensors]
+            self._apply()
 
 
 class GlobalBuffers:

@@ -40,7 +40,6 @@ from lightning_gradcomp.ddp.checkpoint import (
     check_checkpoint_timeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
-    gather_entry,
     restore_entry,
 )
 from lightning_gradcomp.ddp.handle import GradCompHandle
@@ -155,8 +154,7 @@ class LocalUpdateHandle(GradCompHandle):
         :class:`~lightning_gradcomp.ddp.checkpoint.CheckpointTimeout` after the ``timeout`` of
         :func:`local_updates`, naming the fix. The model's own ``state_dict()`` for the same checkpoint is
         taken inside :meth:`global_weights` (``θ_global``; rank 0 alone may do that)."""
-        return gather_entry(self.hook_state, self.compressor, self.loop.state_dict(self.optimizers),
-                            group=self.checkpoint_group)
+        return self._gather_entry(self.loop.state_dict(self.optimizers))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved)."""
@@ -196,8 +194,9 @@ def local_updates(
 
     Args:
         model: the bare model, called as it is in the loop; rank 0's values are broadcast now, so every
-            rank starts from the same parameters. A ``DistributedDataParallel`` wrapper of it (made before
-            or after) that the loop still calls raises at its first gradient all-reduce, naming the fix.
+            rank starts from the same parameters. A ``DistributedDataParallel`` wrapper of it that the loop
+            still calls raises at its first gradient all-reduce, naming the fix (a wrapper made before
+            ``local_updates()``, or before the first optimizer step: found then; not one made later).
         optimizers: the inner optimizer(s), each rank's own. The first one's ``step()`` counts each iteration
             (a step post-hook), so the loop needs no :meth:`LocalUpdateHandle.step` call; a loop that calls it
             after every iteration, as before (needed with a ``GradScaler``, which may skip a rank's step),
@@ -252,7 +251,8 @@ def refuse_gradient_all_reduce(model: torch.nn.Module) -> None:
     calls the wrapper's forward and backward all-reduces every gradient, so local updates would save
     nothing while their figures claimed savings (issue 36, item 2). Every live wrapper of ``model`` gets a
     communication hook that raises at its first all-reduce (a wrapper kept but not called stays silent);
-    a wrapper that already has a hook is refused now."""
+    a wrapper that already has a hook is refused now. :func:`local_updates` looks when it is called and at
+    the first optimizer step."""
     for wrapper in _ddp_wrappers_of(model):
         hooks = [hook for hook, _ in getattr(wrapper, "_comm_hooks", [])]
         if not hooks:

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.global_model import GlobalBuffers, swapped_in
+from lightning_gradcomp.local.global_model import GlobalBuffers, SwappedIn
 from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
 from lightning_gradcomp.local.outer import (
     averaged,
@@ -77,10 +77,13 @@ class ScheduledSyncs:
     buffers: list[tuple[str, Tensor]]
     global_buffers: GlobalBuffers
     synced: bool = False
+    #: ``θ_global`` shown in the module (:meth:`global_weights`), ``None`` while the replica is
+    _view: Optional[SwappedIn] = None
 
     def step(self) -> bool:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
         is. Whether a synchronisation was merged."""
+        self._refuse_inside_the_view("an inner optimizer step (the optimizer stepped θ_global itself)")
         starting = self.outer.count_step()
         now = self.outer.optimizer_steps
         self.synced = False
@@ -101,6 +104,7 @@ class ScheduledSyncs:
         The end-of-training rule: the strategies call it when ``fit`` ends, so a partial window's inner
         steps are not lost and every rank ends with the same weights, ``θ_global``. The schedule goes on
         from the step counter: a later window after a :meth:`sync` is shorter."""
+        self._refuse_inside_the_view("sync()")
         self.synced = False
         for pending in list(self.pending):
             self._complete(pending)
@@ -114,10 +118,32 @@ class ScheduledSyncs:
     def global_weights(self) -> Iterator[None]:
         """Inside, the module holds ``θ_global`` and the buffers of the last synchronisation (the same on
         every worker; by reference, no communication): for evaluation and for the model's
-        ``state_dict()`` in a checkpoint. Afterwards it holds the worker's replica again."""
-        with swapped_in([*self.params, *(buffer for _, buffer in self.buffers)],
-                        [*self.outer.global_params, *self.global_buffers.values]):
+        ``state_dict()`` in a checkpoint. Afterwards it holds the worker's replica again. A checkpoint of
+        the loop (``state_dict``) taken inside still holds the replica; training inside is refused."""
+        if self._view is not None:  # nested: already shown
             yield
+            return
+        self._view = SwappedIn([*self.params, *(buffer for _, buffer in self.buffers)],
+                               [*self.outer.global_params, *self.global_buffers.values])
+        try:
+            yield
+        finally:
+            view, self._view = self._view, None
+            view.restore()
+
+    @contextmanager
+    def _replica_shown(self) -> Iterator[None]:
+        """The worker's replica in the module meanwhile, also inside :meth:`global_weights`."""
+        if self._view is None:
+            yield
+            return
+        with self._view.own_data():
+            yield
+
+    def _refuse_inside_the_view(self, what: str) -> None:
+        if self._view is not None:
+            raise RuntimeError(f"gradcomp: {what} inside global_weights(), where the model holds θ_global for "
+                               "evaluation and saving; train and synchronise outside it")
 
     def adopt_global(self) -> None:
         """Every worker's parameters and floating-point buffers set to ``θ_global``'s (no communication)."""
@@ -215,20 +241,24 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     @torch.no_grad()
     def adopt_global(self) -> None:
-        self.outer.merge(self.params, range(len(self.params)), 0.0)
-        self.global_buffers.copy_into([buffer for _, buffer in self.buffers])
+        with self._replica_shown():
+            self.outer.merge(self.params, range(len(self.params)), 0.0)
+            self.global_buffers.copy_into([buffer for _, buffer in self.buffers])
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self, optimizers: Sequence[Optimizer] = ()) -> dict[str, Any]:
         """This rank's part of the checkpoint: its parameters and buffers (they differ between ranks inside a
         window), its inner optimizers' states, the outer state (the same on every rank) and the
-        synchronisations started but not merged (their averages; waits for them)."""
-        return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer),
-                "pending": [pending.state_dict() for pending in self.pending],
-                "global_buffers": self.global_buffers.state_dict()}
+        synchronisations started but not merged (their averages; waits for them). Inside
+        :meth:`global_weights` too, it holds the replica."""
+        with self._replica_shown():
+            return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer),
+                    "pending": [pending.state_dict() for pending in self.pending],
+                    "global_buffers": self.global_buffers.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
-        load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
+        with self._replica_shown():
+            load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
         self.global_buffers.load_state_dict(state.get("global_buffers"))
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = [PendingSync.from_state_dict(pending, device) for pending in state.get("pending", [])]

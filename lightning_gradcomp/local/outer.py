@@ -143,7 +143,8 @@ class OuterModel:
         return {"global": {name: glob.detach().cpu().clone() for name, glob in zip(self.names, self.global_params)},
                 "optimizer": cpu_copy(self.optimizer.state_dict()), "optimizer_steps": self.optimizer_steps,
                 "syncs": self.syncs, "sync_every": self.sync_every, "fragments": self.fragments,
-                "overlap": self.overlap, "started_at": list(self.started_at), "merged_at": list(self.merged_at)}
+                "overlap": self.overlap, "started_at": list(self.started_at), "merged_at": list(self.merged_at),
+                "fragment_of": list(self.fragment_of)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -152,6 +153,18 @@ class OuterModel:
             missing, unknown = sorted(set(self.names) - set(saved)), sorted(set(saved) - set(self.names))
             raise ValueError(f"gradcomp: the checkpoint's global parameters do not match the model's (missing "
                              f"{missing}, unknown {unknown})")
+        saved_fragments = state.get("fragment_of")
+        if saved_fragments is not None and list(saved_fragments) != self.fragment_of:
+            raise ValueError(
+                "gradcomp: the checkpoint's parameters were grouped into other fragments than this run's (the "
+                "default grouping of fragments=F became whole blocks after 0.2.0, or `fragments` changed); its "
+                "exchanges in flight belong to those. Resume with the same `fragments`, given as the saved lists "
+                "of parameter names if need be")
+        if saved_fragments is None and self.fragments > 1:
+            warnings.warn("gradcomp: the checkpoint predates the record of which parameters form each fragment; "
+                          "if it was written with fragments=F by lightning-gradcomp 0.2, whose default grouping was "
+                          "modules dealt out in turn, resume with the same grouping given as lists", UserWarning,
+                          stacklevel=2)
         for name, glob in zip(self.names, self.global_params):
             glob.copy_(saved[name])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -126,6 +126,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     @contextmanager
     def worker(self, worker: int) -> Iterator[None]:
         """Run worker ``worker``'s inner step inside; the module holds worker 0 again afterwards."""
+        self._refuse_inside_the_view("a simulated worker's step")
         self.enter(worker)
         try:
             yield
@@ -185,41 +186,44 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     @torch.no_grad()
     def adopt_global(self) -> None:
         """Every replica's parameters and floating-point buffers set to ``θ_global``'s."""
-        self._keep()
-        everything = range(len(self.params))
-        for replica in self.replicas:
-            self.outer.merge(replica.params, everything, 0.0)
-            self.global_buffers.copy_into(replica.buffers)
-        self.enter(self.current)
+        with self._replica_shown():
+            self._keep()
+            everything = range(len(self.params))
+            for replica in self.replicas:
+                self.outer.merge(replica.params, everything, 0.0)
+                self.global_buffers.copy_into(replica.buffers)
+            self.enter(self.current)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
         """Every worker's local-update state (:func:`~lightning_gradcomp.local.loop.local_state`); the outer
-        state once, in worker 0's."""
-        self._keep()
-        current = self.current
-        states = []
-        for worker in range(self.workers):
-            self.enter(worker)
-            states.append(local_state(self.names, self.params, self.buffers, self.optimizers,
-                                      self.outer if worker == 0 else None))
-        states[0]["pending"] = [pending.state_dict() for pending in self.pending]
-        states[0]["global_buffers"] = self.global_buffers.state_dict()
-        self.enter(current)
-        return states
+        state once, in worker 0's (the replicas, also inside :meth:`global_weights`)."""
+        with self._replica_shown():
+            self._keep()
+            current = self.current
+            states = []
+            for worker in range(self.workers):
+                self.enter(worker)
+                states.append(local_state(self.names, self.params, self.buffers, self.optimizers,
+                                          self.outer if worker == 0 else None))
+            states[0]["pending"] = [pending.state_dict() for pending in self.pending]
+            states[0]["global_buffers"] = self.global_buffers.state_dict()
+            self.enter(current)
+            return states
 
     def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         if len(states) != self.workers:
             raise ValueError(f"gradcomp: the checkpoint holds the local-update state of {len(states)} workers, this "
                              f"simulation has {self.workers}")
-        self._keep()
-        current = self.current
-        for worker, state in enumerate(states):
-            self.enter(worker)
-            load_local_state(state, self.names, self.params, self.buffers, self.optimizers,
-                             self.outer if worker == 0 else None)
+        with self._replica_shown():
             self._keep()
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.pending = [PendingSync.from_state_dict(pending, device) for pending in states[0].get("pending", [])]
-        self.global_buffers.load_state_dict(states[0].get("global_buffers"))
-        self.enter(current)
+            current = self.current
+            for worker, state in enumerate(states):
+                self.enter(worker)
+                load_local_state(state, self.names, self.params, self.buffers, self.optimizers,
+                                 self.outer if worker == 0 else None)
+                self._keep()
+            device = self.params[0].device if self.params else torch.device("cpu")
+            self.pending = [PendingSync.from_state_dict(pending, device) for pending in states[0].get("pending", [])]
+            self.global_buffers.load_state_dict(states[0].get("global_buffers"))
+            self.enter(current)

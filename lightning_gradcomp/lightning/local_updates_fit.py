@@ -3,16 +3,19 @@
 During ``fit`` every rank trains its own replica; validation (also mid-training), every checkpoint's
 model ``state_dict`` and the weights ``fit`` ends with are ``θ_global``'s, the same on every rank:
 
-- from ``on_validation_start`` (also ``on_test_start``, ``on_predict_start``) to the matching ``..._end``,
-  every callback's, the LightningModule's and the evaluation steps included, the module holds
-  ``θ_global`` and the buffers of the last synchronisation (by reference, no communication);
+- from ``on_validation_start`` to ``on_validation_end`` inside ``fit``, every callback's, the
+  LightningModule's and the validation steps included, the module holds ``θ_global`` and the buffers of
+  the last synchronisation (by reference, no communication); ``trainer.validate``, ``test`` and
+  ``predict`` after ``fit`` see it because ``fit`` ended on it;
 - ``lightning_module_state_dict`` (what ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write as
   ``"state_dict"``) is taken with ``θ_global`` in the module; the per-rank replicas, inner-optimizer
   states and the outer state travel in the checkpoint's ``"gradcomp"`` entry, so a resume is exact;
-- when ``fit`` ends, before any callback's ``on_train_end`` (``ModelCheckpoint(save_last=True)`` saves
-  there), the outer loop's :meth:`~lightning_gradcomp.local.loop.ScheduledSyncs.sync` merges the
-  exchanges in flight and synchronises the fragments with inner steps since their last
-  synchronisation: a partial window is not lost, and every rank ends with ``θ_global``;
+- when ``fit`` ends, before any callback's ``on_train_end``, the outer loop's
+  :meth:`~lightning_gradcomp.local.loop.ScheduledSyncs.sync` merges the exchanges in flight and
+  synchronises the fragments that moved since their last synchronisation: a partial window is not lost,
+  and every rank ends with ``θ_global``. (``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` there
+  only when it has written none in this ``fit``; for a checkpoint of the final weights call
+  ``trainer.save_checkpoint`` after ``fit``.)
 - a ``fit`` that fails (an exception, a dead peer) leaves ``θ_global`` as of the last synchronisation in
   the module, without communicating.
 
@@ -34,23 +37,15 @@ from lightning_gradcomp.local.loop import ScheduledSyncs
 
 class _GlobalModelFirst(Callback):
     """Placed first among the callbacks while a ``fit`` trains with local updates, so that the other
-    callbacks see ``θ_global``: at ``on_validation_start`` (and test, predict) it is put into the module
-    (the strategy's matching ``..._end`` hook, which Lightning calls after the callbacks', puts the replica
-    back), and at ``on_train_end`` the final synchronisation runs."""
+    callbacks see ``θ_global``: at ``on_validation_start`` it is put into the module (the strategy's
+    ``on_validation_end``, which Lightning calls after the callbacks', puts the replica back), and at
+    ``on_train_end`` the final synchronisation runs."""
 
     def __init__(self, strategy: "ShowsGlobalModel") -> None:
         self.strategy = strategy
 
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy._show_global()
-
-    @override
-    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy._show_global()
-
-    @override
-    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self.strategy._show_global()
 
     @override
@@ -83,10 +78,11 @@ class ShowsGlobalModel:
             self._callbacks.insert(0, self._end_callback)
 
     def finish_local_updates(self) -> None:
-        """The end of ``fit``: the final synchronisation (a collective, on every rank; once)."""
+        """The end of ``fit``: the final synchronisation (a collective, on every rank; once). If it fails,
+        :meth:`on_exception` still leaves ``θ_global`` in the module."""
         if self._fitting_locally and self.outer_loop is not None:
-            self._fitting_locally = False
             self.outer_loop.sync()
+            self._fitting_locally = False
 
     # ------------------------------------------------------------------ evaluation inside fit
     def _show_global(self) -> None:
@@ -109,25 +105,6 @@ class ShowsGlobalModel:
         self._show_replica()
         super().on_validation_end()  # type: ignore[misc]
 
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()  # type: ignore[misc]
-        self._show_global()
-
-    @override
-    def on_test_end(self) -> None:
-        self._show_replica()
-        super().on_test_end()  # type: ignore[misc]
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()  # type: ignore[misc]
-        self._show_global()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._show_replica()
-        super().on_predict_end()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ checkpoints, the end
     @override
