@@ -37,10 +37,11 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
+from lightning_gradcomp.ddp.checkpoint import CheckpointTimeout
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
-from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
+from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
@@ -69,6 +70,7 @@ _registration.install()
 
 __all__ = [
     "BF16",
+    "CheckpointTimeout",
     "CollectiveError",
     "Compressor",
     "DGC",
@@ -78,6 +80,7 @@ __all__ = [
     "FP4AllReduce",
     "FP8AllReduce",
     "FSDPHandle",
+    "GradCompFSDPStrategy",
     "GradCompFabricStrategy",
     "GradCompHandle",
     "GradCompHookState",

@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -143,12 +144,14 @@ class CompressionMonitor(Callback):
         else:
             log_now = interval > 0 and step % interval == 0
         layer_names = sorted(stats.layers) if stats.layers else []
+        if loop is None and layer_names:  # ranks may measure different layers (an FSDP shard can be empty)
+            layer_names = _layer_names_of_every_rank(layer_names)
         if not log_now and not layer_names:
             return
         values = stats.as_list() + exchange_state(trainer).totals.as_list() + [comm_s]
         for name in layer_names:
-            layer = stats.layers[name]
-            values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel]
+            layer = stats.layers.get(name)  # a layer this rank holds no part of counts zero
+            values += [layer.error_sq, layer.grad_sq, layer.count, layer.numel] if layer is not None else [0.0] * 4
         averaged = values if loop is not None else trainer.strategy.reduce(
             torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="mean"
         ).tolist()
@@ -206,3 +209,14 @@ def _logging_step(trainer: "L.Trainer") -> int:
     batches that stepped the optimizer before this one, not ``global_step`` (which the optimizer step has
     already advanced, and which counts every optimizer of a batch)."""
     return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step - 1))
+
+
+def _layer_names_of_every_rank(names: list[str]) -> list[str]:
+    """The union of the ranks' measured layers, sorted (one small gather of names, on the steps that log
+    layers): under FSDP a rank whose shard of a parameter is empty measures nothing for it, and the
+    all-reduce of the figures needs the same layers on every rank."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return sorted({name for rank_names in gathered for name in rank_names})

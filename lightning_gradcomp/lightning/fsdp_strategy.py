@@ -1,0 +1,504 @@
+"""``GradCompFSDPStrategy``: compressed HSDP for the Trainer, registered as ``"gradcomp_fsdp"``.
+
+::
+
+    class Model(L.LightningModule):
+        def configure_model(self):                       # shard inside the replica (the "shard" mesh dimension)
+            for block in self.blocks:
+                fully_shard(block, mesh=self.device_mesh["shard"])
+            fully_shard(self, mesh=self.device_mesh["shard"])
+
+    L.Trainer(devices=8, num_nodes=4, strategy="gradcomp_fsdp")                       # 4 replicas x 8 shards
+    L.Trainer(accelerator="cpu", devices=4, strategy=GradCompFSDPStrategy(shard_size=2, compressor="int8"))
+    L.Trainer(devices=8, strategy=GradCompFSDPStrategy(auto_wrap_policy={Block}, shard_size=4))  # no configure_model
+
+Built on Lightning's FSDP2 support (:class:`lightning.pytorch.strategies.ModelParallelStrategy`): FSDP2
+shards the model inside each replica (reduce-scatter and all-gather over the mesh's ``"shard"`` dimension),
+and :func:`~lightning_gradcomp.fsdp.register_fsdp` exchanges each rank's gradient shard with the same
+shard of the other replicas, compressed (the ``"replicate"`` dimension), where native HSDP all-reduces it
+dense. Checkpoints are Lightning's sharded (distributed) checkpoints of the model and optimizer, plus every
+rank's exchange state under ``checkpoint["gradcomp"]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures
+from lightning_gradcomp.fsdp.handle import FSDPHandle, MESH_DIMS, register_fsdp
+from lightning_gradcomp.lightning.options import (
+    check_fit_setup,
+    check_gradient_clipping,
+    check_process_group_backend,
+    check_timeout,
+    configure_strategy,
+)
+from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.metrics.stats import StepStats
+
+#: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
+REFUSED_OPTIONS = {
+    "local_updates": "local updates are not yet supported on sharded models; allowed: local_updates=None (use "
+                     "GradCompStrategy(local_updates=...) for a model that fits on one device)",
+    "hierarchy": "the mesh is the hierarchy here: FSDP communicates inside a replica, the compressed exchange runs "
+                 "between replicas; allowed: leave hierarchy unset and choose the replica size with shard_size=",
+    "exchange_thread": "the exchange runs in FSDP2's all-reduce hook, on FSDP's own stream; allowed: leave "
+                       "exchange_thread unset",
+    "data_parallel_size": "the mesh is (replicas, shard_size) with dimensions ('replicate', 'shard'); allowed: "
+                          "shard_size= (the processes per replica)",
+    "tensor_parallel_size": "tensor parallelism is not combined with compressed HSDP; allowed: shard_size= (the "
+                            "processes per replica)",
+}
+
+#: The options the strategy takes, for the message about an unknown one.
+ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed", "log_stats", "print_summary",
+                   "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
+                   "save_distributed_checkpoint", "process_group_backend", "timeout")
+
+#: The LightningModule's step methods, called through the module's ``forward`` when it is itself an FSDP module.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class GradCompFSDPStrategy(ModelParallelStrategy):
+    """Sharded data parallelism (FSDP2) inside each replica, the compressed exchange between replicas (HSDP).
+
+    The processes form a 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: ``shard_size``
+    processes per replica (default: the devices per node, so the replicas are the nodes). The model is
+    sharded over ``mesh["shard"]``, by the LightningModule's own ``configure_model`` (which reads the mesh
+    as ``self.device_mesh["shard"]``) or by ``auto_wrap_policy``; then
+    :func:`~lightning_gradcomp.fsdp.register_fsdp` attaches the compressed exchange over
+    ``mesh["replicate"]`` to every FSDP module. Every process sees its own share of the data.
+
+    Args:
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name; default Top-k
+            at density 0.01. Every compressor works on shards (each parameter's local row block).
+        error_feedback: keep residuals ``e = p - C(p)`` per parameter shard (fp32); ``None`` (default) follows
+            the compressor (on for biased ones).
+        min_compress_numel: parameter shards with fewer elements are exchanged dense.
+        seed: base seed of the compressors' generators; identical on all ranks.
+        log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
+            through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
+        print_summary: when ``fit`` ends, rank 0 prints the table of what compression did.
+        shard_size: the processes of one replica (the ``"shard"`` dimension); the world size must be a
+            multiple of it, and the number of replicas is ``world_size // shard_size``. ``None`` (default):
+            the devices per node (one replica per node).
+        auto_wrap_policy: ``None`` (default): the LightningModule's ``configure_model`` shards the model. Or
+            module classes (a set, list or tuple of ``nn.Module`` subclasses, or their import paths as
+            strings, e.g. ``{"torch.nn.TransformerEncoderLayer"}``): every instance of them is sharded with
+            ``fully_shard(module, mesh=mesh["shard"])``, innermost first, then the LightningModule itself,
+            as Lightning's ``FSDPStrategy(auto_wrap_policy={Block})`` does.
+        mp_policy: with ``auto_wrap_policy``, FSDP2's ``MixedPrecisionPolicy`` for every ``fully_shard``
+            (the exchange keeps fp32 residuals whatever it is); ``None``: FSDP's default.
+        reshard_after_forward: with ``auto_wrap_policy``, FSDP2's ``reshard_after_forward`` for every
+            ``fully_shard`` (``None``, FSDP's default: ``True`` for the blocks, ``False`` for the root; ``True``,
+            ``False``, or an int: a smaller shard size after forward).
+        save_distributed_checkpoint: ``True`` (default): every rank writes its shard of the model and
+            optimizer (a checkpoint directory); ``False``: rank 0 writes one file with everything gathered.
+            Either way ``checkpoint["gradcomp"]`` holds every rank's exchange state.
+        process_group_backend: ``None`` (nccl on GPUs, gloo on CPUs) or a backend name.
+        timeout: the process group's timeout (a ``timedelta`` or seconds), also the limit of the checkpoint's
+            gather of the exchange state.
+
+    Refused: ``local_updates`` (not yet on shards), ``hierarchy``, ``exchange_thread``, and
+    ``ModelParallelStrategy``'s ``data_parallel_size`` / ``tensor_parallel_size``, with a message that says why.
+    """
+
+    strategy_name = "gradcomp_fsdp"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "topk",
+        error_feedback: Optional[bool] = None,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        log_stats: bool = True,
+        print_summary: bool = True,
+        shard_size: Optional[int] = None,
+        auto_wrap_policy: Optional[Iterable[Union[type[nn.Module], str]]] = None,
+        mp_policy: Optional[Any] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        refuse_options(kwargs)
+        configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
+        self.shard_size = check_shard_size(shard_size)
+        self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
+        self.fully_shard_kwargs = check_fully_shard_options(self.auto_wrap_policy, mp_policy, reshard_after_forward)
+        super().__init__(
+            save_distributed_checkpoint=check_bool(save_distributed_checkpoint, "save_distributed_checkpoint"),
+            process_group_backend=check_process_group_backend(process_group_backend),
+            timeout=check_timeout(timeout),
+        )
+        #: the exchange between the replicas (built when ``fit`` sets the model up)
+        self.gradcomp: Optional[FSDPHandle] = None
+        self.step_stats = StepStats()
+        self._batch_stats_fresh = True  # the next optimizer step is the batch's first
+
+    # ------------------------------------------------------------------ the exchange, as the callbacks see it
+    @property
+    def hook_state(self) -> Optional[GradCompHookState]:
+        """The running exchange state (:class:`~lightning_gradcomp.exchange.state.ExchangeState`), ``None``
+        before ``fit`` sets the model up."""
+        return self.gradcomp.hook_state if self.gradcomp is not None else None
+
+    @property
+    def compression_workers(self) -> int:
+        """The processes that exchange one shard compressed: the number of replicas."""
+        return self.device_mesh["replicate"].size()
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``gradcomp_fsdp`` with the Trainer."""
+        strategy_registry.register(
+            cls.strategy_name, cls, override=True,
+            description="FSDP2 inside each replica, compressed gradients between replicas (lightning-gradcomp HSDP)",
+        )
+
+    # ------------------------------------------------------------------ the mesh and the data
+    @override
+    def setup_environment(self) -> None:
+        """Start the processes' group, build the ``("replicate", "shard")`` mesh and show it to the
+        LightningModule (``self.device_mesh`` in ``configure_model``)."""
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        shard_size = self.shard_size or self.num_processes
+        replicas = check_world_divides(self.world_size, shard_size, self.shard_size is None)
+        self._data_parallel_size, self._tensor_parallel_size = replicas, shard_size
+        if replicas == 1:
+            rank_zero_warn(f"GradCompFSDPStrategy: one replica of {shard_size} processes: nothing crosses between "
+                           "replicas, so compression only adds error; set shard_size= to a divisor of the world size "
+                           f"({self.world_size}) below it to have several replicas")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(self.root_device.type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process its own share of the data (replicas and shards alike are data parallel)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ sharding and the exchange
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Shard the model (``auto_wrap_policy``, or the module's ``configure_model`` has done it), set it up
+        as ``ModelParallelStrategy`` does and, when fitting, attach the exchange and check the optimizers."""
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if self.auto_wrap_policy is not None:
+            shard_by_policy(self.lightning_module, self.auto_wrap_policy, self.device_mesh["shard"],
+                            self.fully_shard_kwargs)
+        elif not is_overridden("configure_model", self.lightning_module):
+            raise ValueError(
+                "GradCompFSDPStrategy shards the model in one of two ways; allowed: a configure_model() in the "
+                "LightningModule that applies fully_shard(module, mesh=self.device_mesh['shard']) to its blocks and "
+                "then to the model, or GradCompFSDPStrategy(auto_wrap_policy={BlockClass, ...})")
+        refuse_fsdp1(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._attach_exchange()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._check_optimizers(trainer)
+
+    def _attach_exchange(self) -> None:
+        """:func:`register_fsdp` on the LightningModule, once every trainable parameter is known to be sharded."""
+        if self.gradcomp is not None:
+            self.gradcomp.close()
+        handle = register_fsdp(self.lightning_module, self.device_mesh, self.compressor,
+                               error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
+                               seed=self.seed, timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
+        check_every_parameter_sharded(self.lightning_module, handle)
+        self.gradcomp = handle
+
+    def _check_optimizers(self, trainer: Any) -> None:
+        """Refuse settings that would train something else (see :func:`check_fit_setup`) and bind the
+        optimizers to the compressor (DeMo reads its learning rate)."""
+        assert self.gradcomp is not None
+        check_fit_setup(self.compressor, self.gradcomp.hook_state.error_feedback, self.optimizers,
+                        self.precision_plugin)
+        check_gradient_clipping(self.compressor, trainer)
+        for optimizer in self.optimizers:
+            self.gradcomp.bind(optimizer)
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``method``; when the module is itself an FSDP module (the root of the
+        sharding), through its ``forward``, so that FSDP's root hooks run even if ``method`` calls only
+        submodules (what Lightning does for a wrapped model)."""
+        assert self.lightning_module is not None
+        if is_fsdp_module(self.lightning_module):
+            return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+        return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduce-scatter and no exchange on the non-final micro-batches (FSDP
+        keeps the unsharded gradients), so one compressed exchange per optimizer step."""
+        modules = [module for module in self.model.modules() if is_fsdp_module(module)] if self.model else []
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Lightning's backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`."""
+        with exchange_failures(self.gradcomp):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # ------------------------------------------------------------------ per-step figures
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
+                       **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.gradcomp is not None:
+            taken = self.gradcomp.hook_state.take_step_stats()
+            # several optimizer steps in one batch: the batch's figures are all of them together
+            self.step_stats = taken if self._batch_stats_fresh else self.step_stats.combined(taken)
+            self._batch_stats_fresh = False
+            if self.log_stats:
+                self._log_step_stats()
+        return output
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batch_stats_fresh = True
+
+    def _log_step_stats(self) -> None:
+        """``gradcomp/*`` of this step, averaged over every rank, every ``log_every_n_steps``."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0:
+            return
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps != 0:
+            return
+        figures = torch.tensor(self.step_stats.as_list(), dtype=torch.float64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(figures)
+            figures /= dist.get_world_size()
+        metrics = StepStats.from_list(figures.tolist()).metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        print_fit_summary(self)
+
+    @override
+    def teardown(self) -> None:
+        if self.gradcomp is not None:
+            self.gradcomp.close()
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning's sharded checkpoint, plus every rank's exchange state under ``"gradcomp"`` (gathered on
+        rank 0, which writes the checkpoint's metadata). Every rank calls it, as ``trainer.save_checkpoint``
+        does."""
+        if self.gradcomp is not None:
+            entry = self.gradcomp.state_dict()  # a collective of every rank
+            if entry is not None:
+                checkpoint[CHECKPOINT_KEY] = entry
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Lightning's load (the model's and optimizers' shards; after ``setup``), then this rank's exchange
+        state from ``"gradcomp"`` when fitting. Another world size or compressor keeps only the counters,
+        with a warning."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is not None and self.gradcomp is not None:
+            self.gradcomp.load_state_dict(entry)
+        return checkpoint
+
+
+# ---------------------------------------------------------------------- options
+def refuse_options(kwargs: dict[str, Any]) -> None:
+    """Refuse, naming it, an option of the other strategies that has no meaning here, or an unknown one."""
+    for name, value in kwargs.items():
+        if name in REFUSED_OPTIONS and value is not None:  # None: unset, as LightningCLI passes it
+            raise ValueError(f"GradCompFSDPStrategy: `{name}={value!r}`: {REFUSED_OPTIONS[name]}")
+    unknown = sorted(name for name in kwargs if name not in REFUSED_OPTIONS)
+    if unknown:
+        raise ValueError(f"GradCompFSDPStrategy: unknown option(s) {unknown}; allowed: {', '.join(ALLOWED_OPTIONS)} "
+                         "(DistributedDataParallel's arguments do not apply: FSDP2 shards the model)")
+
+
+def check_shard_size(shard_size: Any) -> Optional[int]:
+    """``None`` (the devices per node) or an integer >= 1."""
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"`shard_size` must be None (the devices per node) or an integer >= 1 (the processes per "
+                         f"replica), got {shard_size!r}")
+    return shard_size
+
+
+def check_world_divides(world_size: int, shard_size: int, by_default: bool) -> int:
+    """The number of replicas, ``world_size // shard_size``; ``ValueError`` when it does not divide."""
+    if world_size % shard_size:
+        divisors = [size for size in range(1, world_size + 1) if world_size % size == 0]
+        origin = "the devices per node (shard_size=None)" if by_default else f"shard_size={shard_size}"
+        raise ValueError(f"GradCompFSDPStrategy: the world size {world_size} is not a multiple of {origin}; allowed: "
+                         f"shard_size in {divisors}")
+    return world_size // shard_size
+
+
+def check_auto_wrap_policy(policy: Any) -> Optional[tuple[type[nn.Module], ...]]:
+    """``None``, or a non-empty set, list or tuple of ``nn.Module`` subclasses (or their import paths)."""
+    if policy is None:
+        return None
+    allowed = ("a set, list or tuple of nn.Module subclasses or their import paths (e.g. {Block} or "
+               "{'torch.nn.TransformerEncoderLayer'}), or None (configure_model shards the model)")
+    if isinstance(policy, (str, type)) or not isinstance(policy, (set, frozenset, list, tuple)) or not policy:
+        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got {policy!r}")
+    classes = tuple(_module_class(entry, allowed) for entry in policy)
+    return tuple(sorted(set(classes), key=lambda cls: f"{cls.__module__}.{cls.__qualname__}"))
+
+
+def _module_class(entry: Any, allowed: str) -> type[nn.Module]:
+    """One entry of ``auto_wrap_policy`` as a class."""
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.rpartition(".")
+        try:
+            entry = getattr(importlib.import_module(module_name), class_name) if module_name else None
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"`auto_wrap_policy`: cannot import {entry!r} ({error}); it must be {allowed}") from error
+    if not isinstance(entry, type) or not issubclass(entry, nn.Module):
+        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got the entry {entry!r}")
+    return entry
+
+
+def check_fully_shard_options(policy: Optional[tuple[type[nn.Module], ...]], mp_policy: Any,
+                              reshard_after_forward: Any) -> dict[str, Any]:
+    """``fully_shard``'s options for ``auto_wrap_policy``; refused without it (``configure_model`` passes its own)."""
+    if policy is None and (mp_policy is not None or reshard_after_forward is not None):
+        raise ValueError("`mp_policy` and `reshard_after_forward` apply to the modules auto_wrap_policy shards; "
+                         "allowed without auto_wrap_policy: mp_policy=None and reshard_after_forward=None (pass them "
+                         "to fully_shard in your configure_model instead)")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"`mp_policy` must be None or a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                         f"{mp_policy!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) and (
+            not isinstance(reshard_after_forward, int) or reshard_after_forward < 2):
+        raise ValueError(f"`reshard_after_forward` must be None (FSDP's default), True, False or an integer >= 2 (a "
+                         f"smaller shard size after forward), got {reshard_after_forward!r}")
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
+# ---------------------------------------------------------------------- sharding
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard_by_policy(root: nn.Module, classes: tuple[type[nn.Module], ...], mesh: Any,
+                    kwargs: dict[str, Any]) -> None:
+    """``fully_shard(module, mesh=mesh)`` for every instance of ``classes`` under ``root`` (the innermost
+    first; those already sharded are left as they are), then for ``root`` itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    matching = [module for module in root.modules()
+                if module is not root and isinstance(module, classes) and not is_fsdp_module(module)]
+    for module in reversed(matching):  # modules() lists a parent before its children
+        fully_shard(module, mesh=mesh, **kwargs)
+    if not is_fsdp_module(root):
+        fully_shard(root, mesh=mesh, **kwargs)
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1's ``FullyShardedDataParallel`` wrapper has no all-reduce hook to attach to."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        raise ValueError("GradCompFSDPStrategy works with FSDP2 (torch.distributed.fsdp.fully_shard); found modules "
+                         "wrapped in FSDP1's FullyShardedDataParallel: apply fully_shard(module, "
+                         "mesh=self.device_mesh['shard']) in configure_model instead")
+
+
+def check_every_parameter_sharded(model: nn.Module, handle: FSDPHandle) -> None:
+    """Every trainable parameter must be in an FSDP module's group: one that is not would be averaged by
+    no one (neither FSDP nor the exchange) and the replicas would drift apart."""
+    exchanged = {slot.name for layout in handle.layouts for slot in layout.slots}
+    missing = [name for name, parameter in model.named_parameters()
+               if parameter.requires_grad and name not in exchanged]
+    if missing:
+        handle.close()
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"GradCompFSDPStrategy: the trainable parameters {shown} are not sharded by any fully_shard, "
+                         "so no process would average their gradients; apply fully_shard(module, "
+                         "mesh=self.device_mesh['shard']) to the modules holding them, and finally to the "
+                         "LightningModule itself (fully_shard(self, mesh=self.device_mesh['shard']))")
+
+
+GradCompFSDPStrategy.register_strategies(StrategyRegistry)
