@@ -23,9 +23,9 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48)) for _ in range(2)])
         self.head = nn.Linear(48, 5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, blocks: int = 2) -> torch.Tensor:
         x = self.embed(x)
-        for block in self.blocks:
+        for block in self.blocks[:blocks]:
             x = x + block(x)
         return self.head(x)
 
@@ -74,7 +74,7 @@ def check_none_equals_native_hsdp(rank: int, world_size: int) -> None:
     expected, got = _full(native), _full(ours)
     for name in expected:
         assert torch.equal(got[name], expected[name]), (name, (got[name] - expected[name]).abs().max())
-    assert handle.hook_state.step == STEPS and handle.hook_calls_per_step == 3
+    assert handle.hook_state.step == STEPS and handle.hook_state.hook_calls == 3 * STEPS
     handle.close()
 
 
@@ -110,7 +110,8 @@ def check_every_compressor_against_the_oracle(rank: int, world_size: int) -> Non
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         modules = dict(model.named_modules())
         for layout in handle.layouts:
-            modules[layout.module].set_all_reduce_hook(_recording(handle.all_reduce_hook(layout), layout, seen))
+            group = modules[layout.module]._get_fsdp_state()._fsdp_param_groups[0]
+            modules[layout.module].set_all_reduce_hook(_recording(handle.all_reduce_hook(layout, group), layout, seen))
         shapes = {slot.name: slot.shape for layout in handle.layouts for slot in layout.slots}
         for step in range(2):
             seen.clear()
@@ -255,3 +256,54 @@ def check_no_host_reads_in_the_fsdp_hook(rank: int, world_size: int) -> None:
         dist.all_gather(gathered, local, group=mesh["replicate"].get_group())
         assert torch.equal(gathered[0], gathered[1]), label
         handle.close()
+
+
+def check_steps_settings_and_mesh_changes(rank: int, world_size: int) -> None:
+    """A step ends with its backward whichever groups it reduced (a block unused in the first step, then
+    used); unsharded trainable parameters, a gradient divide factor and set_requires_all_reduce(False) are
+    refused; a resume on another replicate x shard split drops the residuals, saying so."""
+    import pytest
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "topk")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _batch(step, rank)
+        nn.functional.cross_entropy(model(x, blocks=2 if step else 1), y).backward()  # block 1 sits out step 0
+        optimizer.step()
+        optimizer.zero_grad()
+        assert handle.hook_state.step == step + 1, (step, handle.hook_state.step)
+    entry = [handle.state_dict()]
+    handle.close()
+
+    torch.manual_seed(0)
+    partly = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    fully_shard(partly[0], mesh=mesh["shard"])  # the root and partly[1] never sharded
+    with pytest.raises(ValueError, match=r"trainable parameters 1.weight, 1.bias are not sharded"):
+        lightning_gradcomp.register_fsdp(partly, mesh, "topk")
+    model = _shard(_model(), mesh["shard"])
+    model.blocks[0].set_gradient_divide_factor(4.0)
+    with pytest.raises(ValueError, match="gradient divide factor"):
+        lightning_gradcomp.register_fsdp(model, mesh, "topk")
+    model = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "topk")
+    model.set_requires_all_reduce(False)
+    with pytest.raises(ValueError, match="set_requires_gradient_sync"):
+        x, y = _batch(0, rank)
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.close()
+
+    dist.broadcast_object_list(entry, src=0)
+    other = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), other["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, other, "topk")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # said on rank 0 (every rank loads the same entry)
+        warnings.simplefilter("always")
+        handle.load_state_dict(entry[0])
+    if rank == 0:
+        assert any("layout hsdp:replicate=2,shard=2 vs hsdp:replicate=1,shard=4" in str(w.message) for w in caught)
+    assert not handle.hook_state.memory.residuals, "residuals dropped"
+    handle.close()

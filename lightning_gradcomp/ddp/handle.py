@@ -143,15 +143,23 @@ class GradCompHandle:
         """The end-of-training table (averaged over ranks; every rank must call it), the last step
         included. With ``network``, the estimated communication time of the run next to dense DDP's."""
         self.hook_state.flush()
-        group = self.hook_state.driver.group
+        group = self._summary_group()
 
         def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
-            values = values.to(self.device)
+            values = values.to(self._collective_device())
             dist.all_reduce(values, group=group)
             return values.cpu() / dist.get_world_size(group)
 
-        return summarise(self.hook_state, self.compressor, dist.get_world_size(group), network, mean_over_ranks,
-                         optimizer_steps=self._optimizer_steps())
+        return summarise(self.hook_state, self.compressor, dist.get_world_size(self.hook_state.driver.group), network,
+                         mean_over_ranks, optimizer_steps=self._optimizer_steps())
+
+    def _summary_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks the summary's figures are averaged over: the exchange's."""
+        return self.hook_state.driver.group
+
+    def _collective_device(self) -> torch.device:
+        """Where the summary's figures are all-reduced: the gradients' device."""
+        return self.device
 
     def _optimizer_steps(self) -> Optional[int]:
         """The optimizer steps the exchanges covered when that is not one each (local updates), else ``None``."""

@@ -365,6 +365,11 @@ class GradCompHookState:
             self.step += 1
         self._account(self.driver.drive(protocol))
 
+    def end_step(self) -> None:
+        """Count the end of a step whose exchanges were made with ``last=False`` (``register_fsdp``: when the
+        backward that exchanged ends)."""
+        self.step += 1
+
     def exchange_later(self, entries: list[Entry], last: bool) -> Future:
         """:meth:`exchange_now` on the exchange thread (built with ``exchange_thread=True``), so that it
         overlaps what the caller does next (Streaming DiLoCo's delayed merge). Waiting on the future

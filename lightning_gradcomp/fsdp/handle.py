@@ -16,8 +16,8 @@ dimension) and hands this rank's shard to the group's all-reduce hook
 (``FSDPModule.set_all_reduce_hook``); the hook exchanges it with the ranks of the same shard in the
 other replicas (the ``"replicate"`` dimension) through the exchange engine, per parameter (each
 parameter's local row block, :mod:`lightning_gradcomp.fsdp.layout`), and leaves the replicas' average in
-it. FSDP then divides by the shard count as it always does: the result is native HSDP's mean over every
-rank. Replicas with the same shard rank hold the same row blocks, so PowerSGD's factors and DeMo's tiles
+it: FSDP's reduce-scatter averaged over the shard group (or divides after the hook, for an fp16 reduce or
+forced sums), so the result is native HSDP's mean over every rank. Replicas with the same shard rank hold the same row blocks, so PowerSGD's factors and DeMo's tiles
 line up. Error feedback and compressor state are per rank (each owns a different shard), fp32, keyed by
 parameter name; the checkpoint entry carries every rank's.
 """
@@ -25,7 +25,7 @@ parameter name; the checkpoint entry carries every rank's.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,23 +54,23 @@ class FSDPHandle(GradCompHandle):
 
     Attributes:
         layouts: each FSDP parameter group's shard layout, in the order the modules were found.
-        hook_calls_per_step: the FSDP groups whose shard is exchanged every step.
     """
 
     def __init__(self, hook_state: GradCompHookState, compressor: Compressor, device: torch.device,
                  layouts: list[GroupLayout]) -> None:
         super().__init__(hook_state, compressor, device)
         self.layouts = layouts
-        self.hook_calls_per_step = sum(1 for layout in layouts if layout.slots)
-        self._calls_this_step = 0
+        self._step_open = False  # a backward has exchanged, and its end is queued
 
-    def all_reduce_hook(self, layout: GroupLayout) -> Any:
-        """FSDP's all-reduce hook of one parameter group: the replicas' average of ``reduce_output``, in place."""
+    def all_reduce_hook(self, layout: GroupLayout, param_group: Any) -> Callable[[torch.Tensor], None]:
+        """FSDP's all-reduce hook of one parameter group: the replicas' average of ``reduce_output``, in place.
+        The step ends with the backward that exchanged (an autograd final callback), however many groups
+        were reduced in it."""
         def hook(reduce_output: torch.Tensor) -> None:
-            self._calls_this_step += 1
-            last = self._calls_this_step == self.hook_calls_per_step
-            if last:
-                self._calls_this_step = 0
+            _check_reduce_settings(layout.module, param_group)
+            if not self._step_open:
+                self._step_open = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
             if self.hook_state.compressor is not self._examined:
                 self._examined = self.hook_state.compressor
                 warn_if_unbound(self._examined)
@@ -80,23 +80,38 @@ class FSDPHandle(GradCompHandle):
                 # exchange issued here on the all-reduce stream (the hook's current stream) has read it
                 reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
             try:
-                self.hook_state.exchange_now(layout.entries(reduce_output), last)
-            except BaseException as error:
+                self.hook_state.exchange_now(layout.entries(reduce_output), last=False)
+            except Exception as error:
                 if self.hook_state.failure is None:
                     self.hook_state.failure = error
                 raise
         return hook
 
+    def _end_step(self) -> None:
+        self._step_open = False
+        self.hook_state.end_step()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved; the
-        entry holds every rank of the world, each its own shard's state). Another world size or compressor
-        keeps only the step counter and the totals, with a warning."""
+        entry holds every rank of the world, each its own shard's state). Another mesh, world size or
+        compressor keeps only the step counter and the totals, with a warning."""
         if not isinstance(state, dict):
-            raise ValueError(f"`state` must be the dict that state_dict() returned on rank 0, got "
-                             f"{type(state).__name__}")
+            raise ValueError(
+                f"`state` must be the dict that state_dict() returned on rank 0, got {type(state).__name__}: "
+                "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
+                "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])")
         rank = dist.get_rank()
         restore_entry(state, self.hook_state, dist.get_world_size(), self.compressor,
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+
+    def _summary_group(self) -> Optional[dist.ProcessGroup]:
+        """Every rank: each holds the figures of its own shard."""
+        return None
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend() == dist.Backend.NCCL:  # the parameters may be offloaded to the CPU
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 def register_fsdp(
@@ -134,21 +149,64 @@ def register_fsdp(
     layouts = []
     for module_name, module, param_group in modules:
         _check_group(module_name, param_group, shard_group)
+        _check_reduce_settings(module_name, param_group)
         layouts.append(group_layout(module_name, param_group, names))
+    check_every_parameter_sharded(model, layouts)
     timeout = check_checkpoint_timeout(timeout)
     device = next(model.parameters()).device
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
                                    min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
                                    exchange_thread=False, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
+    # residuals and state fit this mesh's shards only: a resume on another split drops them, saying so
+    hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
     handle = FSDPHandle(hook_state, hook_state.compressor, device, layouts)
     handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
     handle._watch = OptimizerWatch(handle, list(model.parameters()))  # binds the optimizer at its first step
-    for (_, module, _), layout in zip(modules, layouts):
+    for (_, module, param_group), layout in zip(modules, layouts):
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if layout.slots:
-            module.set_all_reduce_hook(handle.all_reduce_hook(layout))
+            module.set_all_reduce_hook(handle.all_reduce_hook(layout, param_group))
     return handle
+
+
+def check_every_parameter_sharded(model: torch.nn.Module, layouts: list[GroupLayout]) -> None:
+    """Every trainable parameter must be in an FSDP module's group: one that is not (its module never
+    sharded, or ``ignored_params``) would be averaged by nobody, and the replicas would drift apart."""
+    exchanged = {slot.name for layout in layouts for slot in layout.slots}
+    missing = [name for name, parameter in model.named_parameters() if parameter.requires_grad and name not in exchanged]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"gradcomp: the trainable parameters {shown} are not sharded by any fully_shard, so no "
+                         "process would average their gradients; apply fully_shard(module, mesh=mesh['shard']) to "
+                         "the modules holding them, and finally to the root module")
+
+
+def _check_reduce_settings(name: str, param_group: Any) -> None:
+    """Refuse FSDP settings under which the hook's average would be wrong (checked at registration and at
+    every exchange, since they can be set later): a gradient divide factor (FSDP then divides by it alone,
+    expecting the hook to sum), ``set_requires_all_reduce(False)`` (FSDP calls a 1-D mesh's hook anyway)
+    and compiled autograd (the hook's bookkeeping would run once, at tracing)."""
+    module = name or "the root module"
+    if getattr(param_group, "gradient_divide_factor", None) is not None:
+        raise ValueError(f"gradcomp: {module} has a gradient divide factor (set_gradient_divide_factor); the compressed "
+                         "exchange averages the replicas itself, which the factor would divide again: leave it unset")
+    if not getattr(param_group, "all_reduce_grads", True):
+        raise ValueError(f"gradcomp: {module} has set_requires_all_reduce(False); for gradient accumulation use "
+                         "set_requires_gradient_sync(False) on the non-final micro-batches (one compressed exchange per "
+                         "optimizer step)")
+    if _compiled_autograd_active():
+        raise RuntimeError("gradcomp: register_fsdp's all-reduce hook does not run under compiled autograd "
+                           "(torch._dynamo.config.compiled_autograd); run backward eagerly")
+
+
+def _compiled_autograd_active() -> bool:
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:  # pragma: no cover - torch without compiled autograd
+        return False
+    flag = getattr(compiled_autograd, "in_compiled_autograd_region", False)  # a module-level flag in torch 2.14
+    return bool(flag() if callable(flag) else flag)
 
 
 def _check_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -171,8 +229,11 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError as error:  # pragma: no cover - torch without FSDP2
-        raise ValueError("gradcomp: register_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)") \
-            from error
+        raise ValueError("gradcomp: register_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard)") from error
+    for needed in ("set_all_reduce_hook", "set_reduce_scatter_unused_params"):
+        if not hasattr(FSDPModule, needed):  # pragma: no cover - older torch
+            raise ValueError(f"gradcomp: register_fsdp needs FSDPModule.{needed}, which this torch "
+                             f"({torch.__version__}) lacks; upgrade torch")
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):

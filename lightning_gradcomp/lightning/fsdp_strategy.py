@@ -29,7 +29,6 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -54,6 +53,7 @@ from lightning_gradcomp.lightning.options import (
     check_timeout,
     configure_strategy,
 )
+from lightning_gradcomp.lightning.step_figures import KeepsBatchFigures, log_mean_over_ranks
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -80,7 +80,7 @@ ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed",
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class GradCompFSDPStrategy(ModelParallelStrategy):
+class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) inside each replica, the compressed exchange between replicas (HSDP).
 
     The processes form a 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: ``shard_size``
@@ -156,7 +156,6 @@ class GradCompFSDPStrategy(ModelParallelStrategy):
         #: the exchange between the replicas (built when ``fit`` sets the model up)
         self.gradcomp: Optional[FSDPHandle] = None
         self.step_stats = StepStats()
-        self._batch_stats_fresh = True  # the next optimizer step is the batch's first
 
     # ------------------------------------------------------------------ the exchange, as the callbacks see it
     @property
@@ -242,7 +241,6 @@ class GradCompFSDPStrategy(ModelParallelStrategy):
         handle = register_fsdp(self.lightning_module, self.device_mesh, self.compressor,
                                error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
                                seed=self.seed, timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
-        check_every_parameter_sharded(self.lightning_module, handle)
         self.gradcomp = handle
 
     def _check_optimizers(self, trainer: Any) -> None:
@@ -313,34 +311,11 @@ class GradCompFSDPStrategy(ModelParallelStrategy):
                        **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.gradcomp is not None:
-            taken = self.gradcomp.hook_state.take_step_stats()
-            # several optimizer steps in one batch: the batch's figures are all of them together
-            self.step_stats = taken if self._batch_stats_fresh else self.step_stats.combined(taken)
-            self._batch_stats_fresh = False
+            self._record_step(self.gradcomp.hook_state)
             if self.log_stats:
-                self._log_step_stats()
+                log_mean_over_ranks(self.lightning_module.trainer if self.lightning_module is not None else None,
+                                    self.step_stats, self.root_device)
         return output
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._batch_stats_fresh = True
-
-    def _log_step_stats(self) -> None:
-        """``gradcomp/*`` of this step, averaged over every rank, every ``log_every_n_steps``."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0:
-            return
-        step = trainer.global_step
-        if step % trainer.log_every_n_steps != 0:
-            return
-        figures = torch.tensor(self.step_stats.as_list(), dtype=torch.float64, device=self.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(figures)
-            figures /= dist.get_world_size()
-        metrics = StepStats.from_list(figures.tolist()).metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
 
     @override
     def on_train_end(self) -> None:
@@ -484,21 +459,6 @@ def refuse_fsdp1(model: nn.Module) -> None:
         raise ValueError("GradCompFSDPStrategy works with FSDP2 (torch.distributed.fsdp.fully_shard); found modules "
                          "wrapped in FSDP1's FullyShardedDataParallel: apply fully_shard(module, "
                          "mesh=self.device_mesh['shard']) in configure_model instead")
-
-
-def check_every_parameter_sharded(model: nn.Module, handle: FSDPHandle) -> None:
-    """Every trainable parameter must be in an FSDP module's group: one that is not would be averaged by
-    no one (neither FSDP nor the exchange) and the replicas would drift apart."""
-    exchanged = {slot.name for layout in handle.layouts for slot in layout.slots}
-    missing = [name for name, parameter in model.named_parameters()
-               if parameter.requires_grad and name not in exchanged]
-    if missing:
-        handle.close()
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"GradCompFSDPStrategy: the trainable parameters {shown} are not sharded by any fully_shard, "
-                         "so no process would average their gradients; apply fully_shard(module, "
-                         "mesh=self.device_mesh['shard']) to the modules holding them, and finally to the "
-                         "LightningModule itself (fully_shard(self, mesh=self.device_mesh['shard']))")
 
 
 GradCompFSDPStrategy.register_strategies(StrategyRegistry)

@@ -26,6 +26,7 @@ from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierar
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
+from lightning_gradcomp.lightning.step_figures import KeepsBatchFigures, log_mean_over_ranks
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
+class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
@@ -155,7 +156,6 @@ class GradCompStrategy(ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
         self.local_loop: Optional[LocalUpdateLoop] = None
         self._pending_local: Optional[dict[str, Any]] = None
         self.step_stats = StepStats()
-        self._batch_stats_fresh = True  # the next optimizer step is the batch's first
 
     @classmethod
     def simulated(cls, workers: int = 4, **kwargs: Any) -> "GradCompSimStrategy":
@@ -252,43 +252,25 @@ class GradCompStrategy(ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
         if self.local_loop is not None:
             self.local_loop.step()
         if self.hook_state is not None:
-            taken = self.hook_state.take_step_stats()
-            # several optimizer steps in one batch (manual optimization, several optimizers): the batch's
-            # figures are all of them together, not the last step's alone (empty when one backward fed both)
-            self.step_stats = taken if self._batch_stats_fresh else self.step_stats.combined(taken)
-            self._batch_stats_fresh = False
+            self._record_step(self.hook_state)
             if self.log_stats:
                 self._log_step_stats()
         return output
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._batch_stats_fresh = True
-
     def _log_step_stats(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0:
+        if self.local_loop is None:
+            log_mean_over_ranks(trainer, self.step_stats, self.root_device)
             return
-        step = trainer.global_step
-        if self.local_loop is not None:
-            # local updates: nothing crosses the network between synchronisations, so no all-reduce of the
-            # figures either; this rank's figures are logged at each synchronisation (the same on every rank
-            # for fixed-size compressors)
-            if not self.local_loop.synced:
-                return
-            metrics = self.step_stats.metrics()
-            metrics["gradcomp/outer_grad_norm"] = self.local_loop.outer.last_norm
-        else:
-            if step % trainer.log_every_n_steps != 0:
-                return
-            figures = torch.tensor(self.step_stats.as_list(), dtype=torch.float64, device=self.root_device)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(figures)
-                figures /= dist.get_world_size()
-            metrics = StepStats.from_list(figures.tolist()).metrics()
+        # local updates: nothing crosses the network between synchronisations, so no all-reduce of the
+        # figures either; this rank's figures are logged at each synchronisation (the same on every rank for
+        # fixed-size compressors)
+        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0 or not self.local_loop.synced:
+            return
+        metrics = self.step_stats.metrics()
+        metrics["gradcomp/outer_grad_norm"] = self.local_loop.outer.last_norm
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     @override
     def on_train_end(self) -> None:

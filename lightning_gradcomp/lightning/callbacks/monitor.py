@@ -144,8 +144,8 @@ class CompressionMonitor(Callback):
         else:
             log_now = interval > 0 and step % interval == 0
         layer_names = sorted(stats.layers) if stats.layers else []
-        if loop is None and layer_names:  # ranks may measure different layers (an FSDP shard can be empty)
-            layer_names = _layer_names_of_every_rank(layer_names)
+        if loop is None and exchange_state(trainer).record_layers:  # the same decision on every rank
+            layer_names = _layer_names_of_every_rank(layer_names)  # an FSDP shard may be empty on some ranks
         if not log_now and not layer_names:
             return
         values = stats.as_list() + exchange_state(trainer).totals.as_list() + [comm_s]

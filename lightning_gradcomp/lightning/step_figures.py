@@ -1,0 +1,49 @@
+"""The per-batch figures of the Trainer strategies that exchange every step (``step_stats``) and their
+``gradcomp/*`` scalars, written once for ``GradCompStrategy`` and ``GradCompFSDPStrategy``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_gradcomp.metrics.stats import StepStats
+
+
+class KeepsBatchFigures:
+    """Mixin: :attr:`step_stats` holds the current batch's figures, all its optimizer steps together
+    (manual optimization with several optimizers: not the last step's alone). The host calls
+    :meth:`_record_step` after each optimizer step with its exchange state."""
+
+    step_stats: StepStats
+    _batch_stats_fresh: bool = True  # the next optimizer step is the batch's first
+
+    def _record_step(self, hook_state: Any) -> None:
+        taken = hook_state.take_step_stats()
+        # empty when one backward fed several optimizers' steps
+        self.step_stats = taken if self._batch_stats_fresh else self.step_stats.combined(taken)
+        self._batch_stats_fresh = False
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._batch_stats_fresh = True
+
+
+def log_mean_over_ranks(trainer: Any, stats: StepStats, device: torch.device) -> None:
+    """``stats``' ``gradcomp/*`` scalars averaged over every rank (one all-reduce), through the Trainer's
+    loggers every ``log_every_n_steps``; every rank calls it after each optimizer step."""
+    if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0:
+        return
+    step = trainer.global_step
+    if step % trainer.log_every_n_steps != 0:
+        return
+    figures = torch.tensor(stats.as_list(), dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(figures)
+        figures /= dist.get_world_size()
+    metrics = StepStats.from_list(figures.tolist()).metrics()
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
