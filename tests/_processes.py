@@ -169,3 +169,15 @@ STEPS_PER_EPOCH = 22  # 1348 training images / 2 ranks / batch 32, rounded up
 def params_equal(a: dict, b: dict) -> bool:
     """Two runs' final parameters, equal bit for bit."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_torchrun(script: Path, cwd: Path, *args: str, nproc: int = 2, timeout: float = 300) -> str:
+    """``python -m torch.distributed.run --nproc-per-node nproc script args`` on this host (a real torchrun:
+    its agent starts fresh interpreters); the combined output, asserting it succeeded."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._processes import free_port
+from tests._processes import run_torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,13 +15,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "torchrun_digits.py"
 
 
 def _torchrun(tmp_path: Path, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    return output
+    return run_torchrun(EXAMPLE, tmp_path, *args)
 
 
 def _ranks(prefix: Path) -> list[dict]:
