@@ -307,3 +307,26 @@ def check_steps_settings_and_mesh_changes(rank: int, world_size: int) -> None:
         assert any("layout hsdp:replicate=2,shard=2 vs hsdp:replicate=1,shard=4" in str(w.message) for w in caught)
     assert not handle.hook_state.memory.residuals, "residuals dropped"
     handle.close()
+
+
+def check_two_replicas_of_one_shard(rank: int, world_size: int) -> None:
+    """A 2 x 1 mesh (every replica one process, FSDP2 with a shard group of one): ``"none"`` equals native
+    HSDP on the same mesh bit for bit, and Top-k's replicas end identical."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    native = _shard(_model(), mesh)
+    _train(native, rank)
+    ours = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(ours, mesh, "none")
+    _train(ours, rank)
+    expected, got = _full(native), _full(ours)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    handle.close()
+    model = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "topk")
+    _train(model, rank)
+    local = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(gathered, local)
+    assert torch.equal(gathered[0], gathered[1])
+    handle.close()

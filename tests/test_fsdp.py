@@ -7,6 +7,7 @@ import pytest
 from tests._fsdp_workers import (
     check_refusals_and_a_non_finite_shard,
     check_steps_settings_and_mesh_changes,
+    check_two_replicas_of_one_shard,
     check_bytes_accumulation_bf16_and_resume,
     check_every_compressor_against_the_oracle,
     check_no_host_reads_in_the_fsdp_hook,
@@ -41,3 +42,7 @@ def test_steps_end_with_their_backward_settings_refused_and_another_mesh_drops_r
     """Review of issue 37: the step count drifted when a group was not reduced in a step, unsharded
     parameters and a divide factor were accepted silently, and a resume on another split kept residuals."""
     run_gloo(check_steps_settings_and_mesh_changes, 4)
+
+
+def test_two_replicas_of_one_shard() -> None:
+    run_gloo(check_two_replicas_of_one_shard, 2)
