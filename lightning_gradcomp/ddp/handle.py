@@ -75,10 +75,18 @@ class GradCompHandle:
         self._bound: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._examined: Optional[Compressor] = None  # the compressor the first exchange's check looked at
         self._watch: Optional[OptimizerWatch] = None
-        #: the gloo group of :meth:`state_dict`'s gather, made with the handle's ``timeout`` (``None``: the
-        #: exchange state's, as under Fabric, whose saves every rank makes)
-        self.checkpoint_group: Optional[dist.ProcessGroup] = None
         self._checkpoint_broken: Optional[str] = None  # the CheckpointTimeout that left the gathers out of step
+
+    @property
+    def checkpoint_group(self) -> Optional[dist.ProcessGroup]:
+        """The gloo group of :meth:`state_dict`'s gather, made with the handle's ``timeout`` (``None``: the
+        exchange state's, as under Fabric, whose saves every rank makes); kept on the exchange state, which
+        releases it at exit."""
+        return self.hook_state.handle_gather_group
+
+    @checkpoint_group.setter
+    def checkpoint_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.hook_state.handle_gather_group = group
 
     def use_compressor(self, compressor: Union[Compressor, str, None]) -> None:
         """Switch the compressor between two steps (a name or an instance; ``None``: send uncompressed).

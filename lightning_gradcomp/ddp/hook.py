@@ -126,6 +126,8 @@ class GradCompHookState:
         self._closed_step = 0
         self._lock = threading.Lock()
         self._cpu_group: Optional[dist.ProcessGroup] = None
+        #: a plain handle's own gloo group for checkpoint gathers (``timeout``), released at exit
+        self.handle_gather_group: Optional[dist.ProcessGroup] = None
         #: the first error of an exchange whose future DDP waited on (a :class:`CollectiveError` when a peer
         #: died); DDP's backward raises it as a ``RuntimeError`` carrying its message (see :meth:`_for_ddp`)
         self.failure: Optional[BaseException] = None
@@ -467,6 +469,8 @@ def _cleanup_at_exit() -> None:
     """
     for state in list(_LIVE_STATES):
         state.close()
+        # the gather groups this package made: freed now, with the interpreter whole, not in its teardown
+        state.handle_gather_group = state._cpu_group = None
     # A DDP model the script dropped often survives in a reference cycle (its hooks refer to it) until the
     # interpreter's own teardown, where its reducer and process group are destroyed in no safe order (the
     # same abort). Collected here, while the interpreter is whole.
