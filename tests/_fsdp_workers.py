@@ -64,9 +64,10 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
-def check_none_equals_native_hsdp(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    native = _shard(_model(), mesh)  # 2-D mesh: FSDP's own HSDP
+def _assert_none_equals_native_hsdp(mesh, rank: int) -> None:
+    """``STEPS`` steps of ``register_fsdp(..., "none")`` on ``mesh["shard"]`` end bit for bit where native
+    HSDP (``fully_shard`` on the 2-D mesh) does."""
+    native = _shard(_model(), mesh)
     _train(native, rank)
     ours = _shard(_model(), mesh["shard"])
     handle = lightning_gradcomp.register_fsdp(ours, mesh, "none")
@@ -76,6 +77,10 @@ def check_none_equals_native_hsdp(rank: int, world_size: int) -> None:
         assert torch.equal(got[name], expected[name]), (name, (got[name] - expected[name]).abs().max())
     assert handle.hook_state.step == STEPS and handle.hook_state.hook_calls == 3 * STEPS
     handle.close()
+
+
+def check_none_equals_native_hsdp(rank: int, world_size: int) -> None:
+    _assert_none_equals_native_hsdp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), rank)
 
 
 def _recording(hook, layout, seen: dict[str, tuple[torch.Tensor, torch.Tensor]]):
@@ -313,15 +318,7 @@ def check_two_replicas_of_one_shard(rank: int, world_size: int) -> None:
     """A 2 x 1 mesh (every replica one process, FSDP2 with a shard group of one): ``"none"`` equals native
     HSDP on the same mesh bit for bit, and Top-k's replicas end identical."""
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    native = _shard(_model(), mesh)
-    _train(native, rank)
-    ours = _shard(_model(), mesh["shard"])
-    handle = lightning_gradcomp.register_fsdp(ours, mesh, "none")
-    _train(ours, rank)
-    expected, got = _full(native), _full(ours)
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-    handle.close()
+    _assert_none_equals_native_hsdp(mesh, rank)
     model = _shard(_model(), mesh["shard"])
     handle = lightning_gradcomp.register_fsdp(model, mesh, "topk")
     _train(model, rank)
