@@ -56,7 +56,9 @@ LOCAL_TABLE = ["ddp", "bf16", "noop", "alone", "topk", *LOCAL_METHODS]
 #: ``<gradcomp method>_thread`` exchanges on gradcomp's exchange thread (the default on CPUs is the hook).
 VARIANTS = ["torch_powersgd_1b", "powersgd_1b", "powersgd_thread", "topk_thread", "dgc_thread"]
 MODELS = {"mlp": "MLP 784-2048-512-10 (2.66M params), batch 64 per process",
-          "resnet18": "ResNet-18 (torchvision, 11.2M params), 3x32x32 inputs, batch 32 per process"}
+          "resnet18": "ResNet-18 (torchvision, 11.2M params), 3x32x32 inputs, batch 32 per process",
+          "transformer": "Transformer encoder, 8 layers of width 512, 8 heads (25.3M params), 4 sequences of 32 "
+                         "per process"}
 
 
 def build_model(name: str):
@@ -69,7 +71,30 @@ def build_model(name: str):
         import torchvision
 
         return torchvision.models.resnet18(num_classes=10), (32, 3, 32, 32)
+    if name == "transformer":
+        return SequenceClassifier(), (4, 32, 64)
     return nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.ReLU(), nn.Linear(512, 10)), (64, 784)
+
+
+def SequenceClassifier(width: int = 512, layers: int = 8, heads: int = 8):  # noqa: N802 - a model factory
+    """A transformer encoder over sequences of 64 features, mean-pooled into 10 classes (25.3M params)."""
+    from torch import nn
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(64, width)
+            self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                                                   batch_first=True) for _ in range(layers))
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x.mean(dim=1))
+
+    return Classifier()
 
 
 def _free_port() -> int:

@@ -33,7 +33,8 @@ from pathlib import Path
 NODES = {"A": ("gcnodeA", "vgcA", "10.77.0.1"), "B": ("gcnodeB", "vgcB", "10.77.0.2")}
 METHODS = ["ddp", "noop", "torch_powersgd", "topk", "topk_hier", "powersgd", "powersgd_hier", "dgc", "dgc_hier"]
 #: sharded models: FSDP2 inside a node, native HSDP (fp32, bf16 reduce) or register_fsdp between the nodes
-HSDP_METHODS = ["hsdp", "hsdp_bf16", "hsdp_noop", "hsdp_topk", "hsdp_int8", "hsdp_powersgd"]
+HSDP_METHODS = ["hsdp", "hsdp_bf16", "hsdp_noop", "hsdp_bf16c", "hsdp_int8", "hsdp_topk", "hsdp_topk1",
+                "hsdp_sparseloco", "hsdp_powersgd"]
 LOCAL_SIZE = 2
 
 
@@ -133,7 +134,7 @@ def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str
     native = method in ("hsdp", "hsdp_bf16")
     policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if method == "hsdp_bf16" else None)
     shard_mesh = mesh if native else mesh["shard"]  # native: a 2-D mesh, FSDP all-reduces the replicas itself
-    blocks = [m for m in model.modules() if type(m).__name__ == "BasicBlock"] or \
+    blocks = [m for m in model.modules() if type(m).__name__ in ("BasicBlock", "TransformerEncoderLayer")] or \
         [m for m in model.modules() if isinstance(m, nn.Linear)]
     for block in blocks:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
@@ -143,24 +144,29 @@ def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str
         for module in [*blocks, model]:
             module.set_all_reduce_hook(lambda reduce_output: None)
     elif not native:
-        compressor = {"hsdp_topk": TopK(0.001), "hsdp_int8": "int8", "hsdp_powersgd": PowerSGD(rank=2)}[method]
+        compressor = {"hsdp_topk": TopK(0.001), "hsdp_topk1": TopK(0.01), "hsdp_int8": "int8", "hsdp_bf16c": "bf16",
+                      "hsdp_sparseloco": "sparseloco", "hsdp_powersgd": PowerSGD(rank=2)}[method]
         handle = lightning_gradcomp.register_fsdp(model, mesh, compressor)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch_shape, generator=generator), torch.randint(0, 10, (batch_shape[0],), generator=generator)
     collectives: list = []
+    bytes_sent = 0.0
 
     def keep_collectives() -> None:
-        nonlocal collectives
+        nonlocal collectives, bytes_sent
         if handle is not None:
-            collectives = handle.hook_state.take_step_stats().collectives
+            stats = handle.hook_state.take_step_stats()
+            collectives, bytes_sent = stats.collectives, stats.bytes_sent
 
     step_times = ddp_step_times(model, optimizer, x, y, steps, warmup, keep_collectives)
     # what one rank's shard of the gradients weighs in fp32: what native HSDP all-reduces between the nodes
     dense = sum(p.to_local().numel() * 4 for p in model.parameters())
+    if native:
+        bytes_sent = dense / (2 if method == "hsdp_bf16" else 1)
     if rank == 0:
         Path(out).write_text(json.dumps({"times": step_times, "collectives": collectives, "dense": dense,
-                                         "sharded": True}))
+                                         "sharded": True, "bytes_sent": bytes_sent}))
     dist.destroy_process_group()
 
 
@@ -203,7 +209,7 @@ def _rate_gbps(rate: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--model", default="mlp", choices=["mlp", "resnet18"])
+    parser.add_argument("--model", default="mlp", choices=["mlp", "resnet18", "transformer"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
@@ -233,12 +239,12 @@ def main() -> None:
           f"loopback inside a node; {args.model}; median of {args.steps} steps after {args.warmup} warm-up; "
           f"model: {network}\n")
     print("| method | step (ms) | speed-up vs DDP (hsdp_*: vs native HSDP fp32) | vs native HSDP bf16 | "
-          "time / noop bound | predicted communication (ms) | "
+          "time / noop bound | bytes sent / rank / step | predicted communication (ms) | "
           "measured step - bound (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for method, (record, failure) in results.items():
         if not record:
-            print(f"| {method} | {failure} | | | | | |")
+            print(f"| {method} | {failure} | | | | | | |")
             continue
         median = medians[method]
         if record.get("sharded"):  # the replicas' exchange of a shard between the 2 nodes, LOCAL_SIZE at once
@@ -256,7 +262,8 @@ def main() -> None:
         baseline = medians.get("hsdp" if method.startswith("hsdp") else "ddp", float("nan"))
         versus_bf16 = f"{medians['hsdp_bf16'] / median:.2f}x" if method.startswith("hsdp") and "hsdp_bf16" in medians \
             else "-"
-        print(f"| {method} | {median:.1f} | {baseline / median:.2f}x | {versus_bf16} | {median / bound:.2f} | "
+        sent = f"{record['bytes_sent']:,.0f}" if record.get("sharded") else "-"
+        print(f"| {method} | {median:.1f} | {baseline / median:.2f}x | {versus_bf16} | {median / bound:.2f} | {sent} | "
               f"{predicted:.1f} | {median - bound:.1f} |")
 
 
