@@ -14,7 +14,10 @@ the bound where communication costs nothing. With ``--methods hsdp...`` the mode
 inside each node instead (a ``("replicate", "shard")`` mesh): native HSDP all-reducing the shards between
 the nodes in fp32 (``hsdp``) or bf16 (``hsdp_bf16``, ``MixedPrecisionPolicy(reduce_dtype=bf16)``),
 ``register_fsdp`` with Top-k 0.1%, int8 or PowerSGD rank 2 (``hsdp_topk``, ``hsdp_int8``,
-``hsdp_powersgd``), and ``hsdp_noop``, FSDP inside the node with nothing between the nodes (the bound). Printed: median step time over ``--steps`` steps after
+``hsdp_powersgd``), and ``hsdp_noop``, FSDP inside the node with nothing between the nodes (the bound);
+``hsdp_diloco``, ``hsdp_diloco_int8`` and ``hsdp_diloco_sparseloco`` train with local updates on the shards
+(``local_updates(..., mesh=mesh)``, ``H = --sync-every``), timed per inner step over ``--steps // H`` whole
+windows after one, synchronisations included. Printed: median step time over ``--steps`` steps after
 warm-up, ratios to DDP and to the bound, and the communication time the network model predicts for
 the collectives rank 0 logged (``Network(rate, local_size=2, intra_bandwidth_gbps=--intra-gbps)``).
 """
@@ -35,6 +38,9 @@ METHODS = ["ddp", "noop", "torch_powersgd", "topk", "topk_hier", "powersgd", "po
 #: sharded models: FSDP2 inside a node, native HSDP (fp32, bf16 reduce) or register_fsdp between the nodes
 HSDP_METHODS = ["hsdp", "hsdp_bf16", "hsdp_noop", "hsdp_bf16c", "hsdp_int8", "hsdp_topk", "hsdp_topk1",
                 "hsdp_sparseloco", "hsdp_powersgd"]
+#: local updates on the shards (``local_updates(..., mesh=)``): DiLoCo uncompressed, int8, SparseLoCo, every
+#: ``--sync-every`` steps; timed per inner step over whole windows (their synchronisation included)
+LOCAL_HSDP_METHODS = {"hsdp_diloco": "none", "hsdp_diloco_int8": "int8", "hsdp_diloco_sparseloco": "sparseloco"}
 LOCAL_SIZE = 2
 
 
@@ -62,7 +68,8 @@ def create_nodes(rate: str) -> None:
             netns=netns)
 
 
-def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_name: str, out: str) -> None:
+def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_name: str, out: str,
+           sync_every: int = 10) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -71,14 +78,14 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from lightning_gradcomp.compressors import DGC, PowerSGD, TopK
     from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, node_groups
     from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
-    from _timing import ddp_step_times
+    from _timing import ddp_step_times, window_step_times
     from slow_link import build_model
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=NODES["A"][2], MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2 * LOCAL_SIZE)
     if method.startswith("hsdp"):
-        hsdp_worker(rank, steps, warmup, method, model_name, out)
+        hsdp_worker(rank, steps, warmup, method, model_name, out, sync_every)
         return
     hierarchical = method.endswith("_hier")
     groups = node_groups(2, LOCAL_SIZE) if hierarchical else None  # every rank creates the groups
@@ -116,7 +123,8 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     dist.destroy_process_group()
 
 
-def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str, out: str) -> None:
+def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str, out: str,
+                sync_every: int = 10) -> None:
     """One rank of a sharded method: FSDP2 over the node's 2 processes, the nodes as replicas."""
     import torch
     import torch.distributed as dist
@@ -126,7 +134,7 @@ def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str
 
     import lightning_gradcomp
     from lightning_gradcomp.compressors import PowerSGD, TopK
-    from _timing import ddp_step_times
+    from _timing import ddp_step_times, window_step_times
     from slow_link import build_model
 
     mesh = init_device_mesh("cpu", (2, LOCAL_SIZE), mesh_dim_names=("replicate", "shard"))
@@ -143,6 +151,22 @@ def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str
     if method == "hsdp_noop":
         for module in [*blocks, model]:
             module.set_all_reduce_hook(lambda reduce_output: None)
+    elif method in LOCAL_HSDP_METHODS:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        local = lightning_gradcomp.local_updates(model, optimizer, sync_every, LOCAL_HSDP_METHODS[method], mesh=mesh)
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(batch_shape, generator=generator)
+        y = torch.randint(0, 10, (batch_shape[0],), generator=generator)
+        times = window_step_times(model, optimizer, x, y, local.step, sync_every, max(1, steps // sync_every))
+        synced = local.hook_state.take_step_stats()  # the last window's synchronisation
+        if rank == 0:
+            Path(out).write_text(json.dumps({"times": times, "collectives": synced.collectives, "sharded": True,
+                                             "dense": sum(p.to_local().numel() * 4 for p in model.parameters()),
+                                             "bytes_sent": synced.bytes_sent / sync_every,
+                                             "bytes_per_sync": synced.bytes_sent, "sync_every": sync_every}))
+        local.close()
+        dist.destroy_process_group()
+        return
     elif not native:
         compressor = {"hsdp_topk": TopK(0.001), "hsdp_topk1": TopK(0.01), "hsdp_int8": "int8", "hsdp_bf16c": "bf16",
                       "hsdp_sparseloco": "sparseloco", "hsdp_powersgd": PowerSGD(rank=2)}[method]
@@ -185,7 +209,7 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(Path(here).parent), os.environ.get("PYTHONPATH")])))
         command = ["ip", "netns", "exec", netns, sys.executable, here, "--worker", str(rank), "--port", str(port),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out), "--methods", method,
-                   "--model", args.model]
+                   "--model", args.model, "--sync-every", str(args.sync_every)]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -215,13 +239,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--intra-gbps", type=float, default=10.0,
                         help="the network model's bandwidth inside a node (this VM's TCP loopback)")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + HSDP_METHODS)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + HSDP_METHODS + list(LOCAL_HSDP_METHODS))
+    parser.add_argument("--sync-every", type=int, default=10, help="H of the hsdp_diloco* methods")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="/tmp/gradcomp_two_level", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out)
+        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out, args.sync_every)
         return
     from lightning_gradcomp.metrics.netmodel import Network
 
@@ -252,6 +277,7 @@ def main() -> None:
             kept = [tuple(c) for c in record["collectives"]]
             predicted = (cross.all_reduce_time(record["dense"] / (2 if method == "hsdp_bf16" else 1), 2)
                          if method in ("hsdp", "hsdp_bf16") else cross.step_time(kept, 2) if kept else 0.0) * 1e3
+            predicted /= record.get("sync_every", 1)  # local updates: one synchronisation per window
         elif method == "ddp":
             predicted = network.all_reduce_time(record["dense"], 2 * LOCAL_SIZE) * 1e3
         elif record["collectives"]:

@@ -61,6 +61,18 @@ def run_gloo(fn: Callable[..., None], world_size: int = 2, *args: Any) -> None:
                        start_method="forkserver")
 
 
+def _bare_entry(rank: int, nprocs: int, fn: Callable[..., None], args: tuple) -> None:
+    torch.set_num_threads(1)
+    fn(rank, nprocs, *args)
+
+
+def run_processes(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes forked from the fork server, with no process
+    group: ``fn`` makes its own (one world per replica group, as torchft's jobs are)."""
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    mp.start_processes(_bare_entry, args=(nprocs, fn, args), nprocs=nprocs, start_method="forkserver")
+
+
 def _script_main(script: str, argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
     """In a process forked from the fork server: run ``script`` as ``__main__`` with ``argv``, in ``cwd``
     with ``env``, stdout and stderr (file descriptors 1 and 2, inherited by its own children) to ``log``."""

@@ -16,11 +16,11 @@ LAYERS = {
     "exchange": 2,
     "ddp": 3,
     "local": 4,
-    "fsdp": 4,
-    "lightning": 5,
-    "tools": 6,
-    "examples": 6,
-    "": 7,  # the package root: public API, registration, public import paths
+    "fsdp": 5,
+    "lightning": 6,
+    "tools": 7,
+    "examples": 7,
+    "": 8,  # the package root: public API, registration, public import paths
 }
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
 

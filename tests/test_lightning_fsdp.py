@@ -209,7 +209,9 @@ def test_lightning_model_parallel_setup_still_does_what_ours_repeats() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"local_updates": 10}, "`local_updates=10`: local updates are not yet supported on sharded models"),
+    ({"local_updates": "10"}, "`local_updates` must be None"),
+    ({"global_device": "cpu"}, "`global_device` places θ_global under local updates"),
+    ({"local_updates": 10, "global_device": "cuda"}, "`global_device` must be None"),
     ({"hierarchy": "node"}, "`hierarchy='node'`: the mesh is the hierarchy"),
     ({"exchange_thread": True}, "`exchange_thread=True`: the exchange runs in FSDP2's all-reduce hook"),
     ({"data_parallel_size": 2}, "allowed: shard_size="),
@@ -319,3 +321,57 @@ def test_what_only_fit_can_see_is_refused_before_the_first_step() -> None:
     from tests._processes import run_gloo
 
     run_gloo(check_refused_when_fit_starts, 1)
+
+
+# ---------------------------------------------------------------------- local updates on the shards (Trainer)
+def _local_fit(fsdp_runs) -> tuple[list[dict], str, Path]:
+    """Two epochs (44 steps) of DiLoCo H = 5 with int8 outer gradients on the sharded transformer, validated at
+    every epoch's end, a checkpoint at the end of the first (step 22: in the middle of a window)."""
+    ckpt = fsdp_runs.root / "local-epoch1.ckpt"
+    ranks, output = fsdp_runs("train_fsdp.py", "local", "--epochs", "2", "--local-updates", "5", "--compressor",
+                              "int8", "--save", str(ckpt), "--validate")
+    return ranks, output, ckpt
+
+
+@pytest.mark.multiprocess
+def test_trainer_local_updates_on_shards_learn_and_end_on_theta_global(fsdp_runs) -> None:
+    ranks, output, _ = _local_fit(fsdp_runs)
+    steps = 2 * 22
+    for rank in ranks:
+        assert rank["optimizer_steps"] == rank["global_step"] == steps
+        assert rank["syncs"] == steps // 5 + 1, "8 windows, then fit's final synchronisation of the last 4 steps"
+        sent = [s for s in rank["steps"] if s["bytes_sent"] > 0]
+        assert len(sent) == steps // 5, "nothing crosses between replicas but at a synchronisation"
+        assert all(3.0 < s["bytes_dense"] / s["bytes_sent"] < 4.1 for s in sent), "int8 (small shards dense)"
+        assert math.isfinite(rank["val_loss"])
+        # what each rank holds of θ_global and its outer momentum is its shard: half the model
+        assert sum(g.numel() for g in rank["global_shards"]) == sum(p.numel() for p in rank["shards"].values())
+    first = sum(_mean_loss(rank["steps"], slice(0, 8)) for rank in ranks) / WORLD
+    last = sum(_mean_loss(rank["steps"], slice(-8, None)) for rank in ranks) / WORLD
+    assert first - last > 0.2, (first, last)
+    assert all(torch.equal(ranks[0]["full"][name], rank["full"][name]) for rank in ranks for name in ranks[0]["full"]), \
+        "every rank ends on θ_global"
+    assert output.count("gradcomp summary") == 1
+
+
+@pytest.mark.multiprocess
+def test_trainer_local_updates_checkpoint_holds_theta_global_and_resumes_mid_window_bit_for_bit(fsdp_runs) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole, _, ckpt = _local_fit(fsdp_runs)
+    converted = fsdp_runs.root / "local-epoch1.pt"
+    dcp_to_torch_save(ckpt, converted)
+    model_state = torch.load(converted, weights_only=False)["state_dict"]
+    for name, value in model_state.items():  # θ_global at step 22, whole: the two shards' rows
+        rows = [whole[rank]["saved_global"][name] for rank in (0, 1)]
+        assert torch.equal(value, torch.cat(rows)), name
+        assert all(torch.equal(whole[r]["saved_global"][name], whole[r + 2]["saved_global"][name]) for r in (0, 1))
+    entry = torch.load(ckpt / "meta.pt", weights_only=True)["gradcomp"]
+    assert entry["layout"] == "local-hsdp:replicate=2,shard=2" and len(entry["ranks"]) == WORLD
+    resumed, output = fsdp_runs("train_fsdp.py", "local-resumed", "--epochs", "2", "--local-updates", "5",
+                                "--compressor", "int8", "--resume", str(ckpt), "--validate")
+    assert "Restored all states from the checkpoint" in output
+    for a, b in zip(whole, resumed):
+        assert b["steps"][0]["global_step"] == 23 and b["optimizer_steps"] == a["optimizer_steps"]
+        assert all(torch.equal(a["shards"][name], b["shards"][name]) for name in a["shards"]), "bit for bit"
+        assert all(torch.equal(x, y) for x, y in zip(a["global_shards"], b["global_shards"]))

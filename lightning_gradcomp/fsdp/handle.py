@@ -224,15 +224,16 @@ def _check_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mesh["shard"].get_group(), mesh["replicate"].get_group()
 
 
-def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
-    """``(name, module, parameter group)`` of every FSDP2 module under ``model`` that holds parameters."""
+def _fsdp_modules(model: torch.nn.Module, caller: str = "register_fsdp") -> list[tuple[str, Any, Any]]:
+    """``(name, module, parameter group)`` of every FSDP2 module under ``model`` that holds parameters
+    (``caller``: the function the errors name)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError as error:  # pragma: no cover - torch without FSDP2
-        raise ValueError("gradcomp: register_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard)") from error
+        raise ValueError(f"gradcomp: {caller} needs FSDP2 (torch.distributed.fsdp.fully_shard)") from error
     for needed in ("set_all_reduce_hook", "set_reduce_scatter_unused_params"):
         if not hasattr(FSDPModule, needed):  # pragma: no cover - older torch
-            raise ValueError(f"gradcomp: register_fsdp needs FSDPModule.{needed}, which this torch "
+            raise ValueError(f"gradcomp: {caller} needs FSDPModule.{needed}, which this torch "
                              f"({torch.__version__}) lacks; upgrade torch")
     found = []
     for name, module in model.named_modules():
@@ -241,26 +242,26 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any, Any]]:
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
             raise ValueError(f"gradcomp: the FSDP module {name or 'root'} has {len(groups)} parameter groups "
-                             "(fully_shard with shard_placement_fn and several meshes); compressed HSDP needs one "
-                             "per module")
+                             f"(fully_shard with shard_placement_fn and several meshes); {caller} needs one per "
+                             "module")
         if groups:
             found.append((name, module, groups[0]))
     if not found:
-        raise ValueError("gradcomp: register_fsdp found no module sharded with FSDP2; apply "
+        raise ValueError(f"gradcomp: {caller} found no module sharded with FSDP2; apply "
                          "fully_shard(module, mesh=mesh['shard']) to the model's blocks and to the model first")
     return found
 
 
-def _check_group(name: str, param_group: Any, shard_group: dist.ProcessGroup) -> None:
+def _check_group(name: str, param_group: Any, shard_group: dist.ProcessGroup, caller: str = "register_fsdp") -> None:
     """Refuse a native HSDP module (a 2-D mesh in ``fully_shard``) and one sharded over another group."""
     mesh_info = param_group.mesh_info
     if getattr(param_group, "_is_hsdp", False) or hasattr(mesh_info, "replicate_process_group"):
         raise ValueError(
             f"gradcomp: {name or 'the root module'} was sharded with a 2-D mesh (native HSDP), whose replicas FSDP "
             "all-reduces itself, dense; shard on the 1-D shard dimension instead: fully_shard(module, "
-            "mesh=mesh['shard']), and register_fsdp(model, mesh) exchanges between the replicas")
+            f"mesh=mesh['shard']), and {caller}(model, ..., mesh) exchanges between the replicas")
     sharded_over = getattr(mesh_info, "shard_process_group", None)
     if sharded_over is None or dist.get_process_group_ranks(sharded_over) != dist.get_process_group_ranks(shard_group):
         raise ValueError(
             f"gradcomp: {name or 'the root module'} is sharded over other ranks than mesh['shard'] of the mesh given "
-            "to register_fsdp; shard every module with fully_shard(module, mesh=mesh['shard']) of that mesh")
+            f"to {caller}; shard every module with fully_shard(module, mesh=mesh['shard']) of that mesh")

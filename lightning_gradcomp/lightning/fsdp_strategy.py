@@ -46,6 +46,8 @@ from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures
 from lightning_gradcomp.fsdp.handle import FSDPHandle, MESH_DIMS, register_fsdp
+from lightning_gradcomp.fsdp.local_updates import attach_sharded, ShardedLocalUpdateHandle
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
 from lightning_gradcomp.lightning.options import (
     check_fit_setup,
     check_gradient_clipping,
@@ -53,14 +55,19 @@ from lightning_gradcomp.lightning.options import (
     check_timeout,
     configure_strategy,
 )
-from lightning_gradcomp.lightning.step_figures import KeepsBatchFigures, log_mean_over_ranks
+from lightning_gradcomp.lightning.step_figures import (
+    KeepsBatchFigures,
+    log_at_synchronisations,
+    log_mean_over_ranks,
+)
 from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
+from lightning_gradcomp.local.handle import check_global_device
+from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
 
 #: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
 REFUSED_OPTIONS = {
-    "local_updates": "local updates are not yet supported on sharded models; allowed: local_updates=None (use "
-                     "GradCompStrategy(local_updates=...) for a model that fits on one device)",
     "hierarchy": "the mesh is the hierarchy here: FSDP communicates inside a replica, the compressed exchange runs "
                  "between replicas; allowed: leave hierarchy unset and choose the replica size with shard_size=",
     "exchange_thread": "the exchange runs in FSDP2's all-reduce hook, on FSDP's own stream; allowed: leave "
@@ -73,14 +80,14 @@ REFUSED_OPTIONS = {
 
 #: The options the strategy takes, for the message about an unknown one.
 ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed", "log_stats", "print_summary",
-                   "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
+                   "local_updates", "global_device", "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
                    "save_distributed_checkpoint", "process_group_backend", "timeout")
 
 #: The LightningModule's step methods, called through the module's ``forward`` when it is itself an FSDP module.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
+class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) inside each replica, the compressed exchange between replicas (HSDP).
 
     The processes form a 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: ``shard_size``
@@ -100,6 +107,16 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
         log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
             through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
         print_summary: when ``fit`` ends, rank 0 prints the table of what compression did.
+        local_updates: ``None`` (default): exchange gradients every step (compressed HSDP). A
+            :class:`~lightning_gradcomp.LocalUpdates` (or an int ``H``): local-update training on the shards
+            (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo's fragments, ``delay``, ``alpha``): FSDP runs
+            inside each replica every step, nothing crosses between replicas between synchronisations, and
+            every ``H`` steps each rank's outer gradient of its local shard is exchanged with the same shard
+            of the other replicas through ``compressor`` (see :mod:`lightning_gradcomp.fsdp.local_updates`).
+            As with :class:`~lightning_gradcomp.GradCompStrategy`, validation, checkpoints' ``state_dict`` and
+            the end of ``fit`` see ``θ_global`` (see :mod:`lightning_gradcomp.lightning.local_updates_fit`).
+        global_device: with ``local_updates``, where each rank's shard of ``θ_global`` and of the outer
+            optimizer's state lives: ``None`` (the parameters' device) or ``"cpu"`` (host memory).
         shard_size: the processes of one replica (the ``"shard"`` dimension); the world size must be a
             multiple of it, and the number of replicas is ``world_size // shard_size``. ``None`` (default):
             the devices per node (one replica per node).
@@ -120,7 +137,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
         timeout: the process group's timeout (a ``timedelta`` or seconds), also the limit of the checkpoint's
             gather of the exchange state.
 
-    Refused: ``local_updates`` (not yet on shards), ``hierarchy``, ``exchange_thread``, and
+    Refused: ``hierarchy``, ``exchange_thread``, and
     ``ModelParallelStrategy``'s ``data_parallel_size`` / ``tensor_parallel_size``, with a message that says why.
     """
 
@@ -134,6 +151,8 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
         seed: int = 0,
         log_stats: bool = True,
         print_summary: bool = True,
+        local_updates: Optional[Union[LocalUpdates, int]] = None,
+        global_device: Optional[Union[str, torch.device]] = None,
         shard_size: Optional[int] = None,
         auto_wrap_policy: Optional[Iterable[Union[type[nn.Module], str]]] = None,
         mp_policy: Optional[Any] = None,
@@ -145,6 +164,11 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
     ) -> None:
         refuse_options(kwargs)
         configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
+        self.local_updates = check_local_updates(local_updates)
+        if global_device is not None and self.local_updates is None:
+            raise ValueError("`global_device` places θ_global under local updates; allowed without local_updates: "
+                             "global_device=None")
+        self.global_device = check_global_device(global_device)
         self.shard_size = check_shard_size(shard_size)
         self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
         self.fully_shard_kwargs = check_fully_shard_options(self.auto_wrap_policy, mp_policy, reshard_after_forward)
@@ -154,7 +178,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
             timeout=check_timeout(timeout),
         )
         #: the exchange between the replicas (built when ``fit`` sets the model up)
-        self.gradcomp: Optional[FSDPHandle] = None
+        self.gradcomp: Optional[Union[FSDPHandle, ShardedLocalUpdateHandle]] = None
         self.step_stats = StepStats()
 
     # ------------------------------------------------------------------ the exchange, as the callbacks see it
@@ -163,6 +187,16 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
         """The running exchange state (:class:`~lightning_gradcomp.exchange.state.ExchangeState`), ``None``
         before ``fit`` sets the model up."""
         return self.gradcomp.hook_state if self.gradcomp is not None else None
+
+    @property
+    def outer_loop(self) -> Optional[ScheduledSyncs]:
+        """The outer loop of local updates on the shards (``None``: compressed HSDP every step)."""
+        return self.gradcomp.loop if isinstance(self.gradcomp, ShardedLocalUpdateHandle) else None
+
+    @property
+    def local_loop(self) -> Optional[ScheduledSyncs]:
+        """The outer loop, under the name the summary and the callbacks read."""
+        return self.outer_loop
 
     @property
     def compression_workers(self) -> int:
@@ -232,16 +266,23 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._check_optimizers(trainer)
+            if isinstance(self.gradcomp, ShardedLocalUpdateHandle):
+                self.gradcomp.optimizers = list(self.optimizers)  # their per-rank states go into checkpoints
+            else:
+                self._check_optimizers(trainer)
+        self._start_showing_global_model(trainer)
 
     def _attach_exchange(self) -> None:
         """:func:`register_fsdp` on the LightningModule, once every trainable parameter is known to be sharded."""
         if self.gradcomp is not None:
             self.gradcomp.close()
-        handle = register_fsdp(self.lightning_module, self.device_mesh, self.compressor,
-                               error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
-                               seed=self.seed, timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
-        self.gradcomp = handle
+        options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
+                   "seed": self.seed, "timeout": self._timeout or DEFAULT_CHECKPOINT_TIMEOUT}
+        if self.local_updates is not None:
+            self.gradcomp = attach_sharded(self.lightning_module, self.device_mesh, self.local_updates, self.compressor,
+                                           global_device=self.global_device, **options)
+        else:
+            self.gradcomp = register_fsdp(self.lightning_module, self.device_mesh, self.compressor, **options)
 
     def _check_optimizers(self, trainer: Any) -> None:
         """Refuse settings that would train something else (see :func:`check_fit_setup`) and bind the
@@ -310,16 +351,24 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
                        **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        loop = self.outer_loop
+        if loop is not None:
+            loop.step()
         if self.gradcomp is not None:
             self._record_step(self.gradcomp.hook_state)
             if self.log_stats:
-                log_mean_over_ranks(self.lightning_module.trainer if self.lightning_module is not None else None,
-                                    self.step_stats, self.root_device)
+                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+                if loop is not None:
+                    log_at_synchronisations(trainer, self.step_stats, loop)
+                else:
+                    log_mean_over_ranks(trainer, self.step_stats, self.root_device)
         return output
 
     @override
     def on_train_end(self) -> None:
-        super().on_train_end()
+        super().on_train_end()  # under local updates: the final synchronisation, if no callback ran it
+        if isinstance(self.gradcomp, ShardedLocalUpdateHandle):
+            self.gradcomp.loop.close()  # count the overlapped exchanges still in flight
         print_fit_summary(self)
 
     @override
@@ -332,8 +381,9 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Lightning's sharded checkpoint, plus every rank's exchange state under ``"gradcomp"`` (gathered on
-        rank 0, which writes the checkpoint's metadata). Every rank calls it, as ``trainer.save_checkpoint``
-        does."""
+        rank 0, which writes the checkpoint's metadata; under local updates also every rank's replica shard,
+        inner-optimizer state and shard of the outer state, for an exact resume in the middle of a window).
+        Every rank calls it, as ``trainer.save_checkpoint`` does."""
         if self.gradcomp is not None:
             entry = self.gradcomp.state_dict()  # a collective of every rank
             if entry is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -110,10 +111,13 @@ class ShowsGlobalModel:
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's ``state_dict`` with ``θ_global`` in it while a ``fit`` trains with local updates."""
-        if not self._fitting_locally or self._evaluation_view is not None or self.outer_loop is None:
+        if not self._fitting_locally or self.outer_loop is None:
             return super().lightning_module_state_dict()  # type: ignore[misc]
         with self.outer_loop.global_weights():
-            return super().lightning_module_state_dict()  # type: ignore[misc]
+            state = super().lightning_module_state_dict()  # type: ignore[misc]
+            # shown by copy (FSDP2 shards): the state dict's tensors may be the module's own storage, into which
+            # the replica returns when the view closes; the checkpoint keeps θ_global's values
+            return _copied(state) if self.outer_loop.shown_by_copy else state
 
     @override
     def on_train_end(self) -> None:
@@ -139,3 +143,14 @@ class ShowsGlobalModel:
             self._callbacks.remove(callback)
         self._callbacks = None
         super().teardown()  # type: ignore[misc]
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (a DTensor stays one)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((key, _copied(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return value

@@ -47,3 +47,15 @@ def log_mean_over_ranks(trainer: Any, stats: StepStats, device: torch.device) ->
     metrics = StepStats.from_list(figures.tolist()).metrics()
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+def log_at_synchronisations(trainer: Any, stats: StepStats, loop: Any) -> None:
+    """Under local updates nothing crosses the network between synchronisations, so no all-reduce of the
+    figures either: this rank's ``stats`` and ``gradcomp/outer_grad_norm`` are logged after each optimizer
+    step that merged a synchronisation (the same on every rank for fixed-size compressors)."""
+    if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0 or not loop.synced:
+        return
+    metrics = stats.metrics()
+    metrics["gradcomp/outer_grad_norm"] = loop.outer.last_norm
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

@@ -26,7 +26,11 @@ from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierar
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
-from lightning_gradcomp.lightning.step_figures import KeepsBatchFigures, log_mean_over_ranks
+from lightning_gradcomp.lightning.step_figures import (
+    KeepsBatchFigures,
+    log_at_synchronisations,
+    log_mean_over_ranks,
+)
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
@@ -262,15 +266,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self.local_loop is None:
             log_mean_over_ranks(trainer, self.step_stats, self.root_device)
             return
-        # local updates: nothing crosses the network between synchronisations, so no all-reduce of the
-        # figures either; this rank's figures are logged at each synchronisation (the same on every rank for
-        # fixed-size compressors)
-        if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0 or not self.local_loop.synced:
-            return
-        metrics = self.step_stats.metrics()
-        metrics["gradcomp/outer_grad_norm"] = self.local_loop.outer.last_norm
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_at_synchronisations(trainer, self.step_stats, self.local_loop)
 
     @override
     def on_train_end(self) -> None:

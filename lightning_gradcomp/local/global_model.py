@@ -4,8 +4,11 @@ Between two synchronisations every worker holds its own replica ``θ_w``; the mo
 evaluates and ships is ``θ_global`` (Douillard et al. 2023, Algorithm 1), the same on every worker. The
 outer loops (:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop`,
 :class:`~lightning_gradcomp.local.simulated.SimulatedLocalUpdates`) keep ``θ_global`` in fp32 and the
-buffers of the last synchronisation (:class:`GlobalBuffers`); :func:`swapped_in` puts them into the module
-for a while, by reference (no copy for fp32 parameters, no communication), and puts the replica back.
+buffers of the last synchronisation (:class:`GlobalBuffers`); :class:`SwappedIn` puts them into the module
+for a while, by reference (no copy for fp32 parameters, no communication), and puts the replica back;
+:class:`CopiedIn` does the same by copying, where the module's tensors cannot be pointed elsewhere (the
+local shards of an FSDP2 model, whose all-gathers read FSDP's own storage) or ``θ_global`` lives on
+another device (host memory).
 """
 
 from __future__ import annotations
@@ -51,6 +54,44 @@ class SwappedIn:
             yield
         finally:
             self.kept = [tensor.data for tensor in self.tensors]
+            self._apply()
+
+
+class CopiedIn:
+    """:class:`SwappedIn`'s contract by copying: the tensors' own values are kept aside (one copy each), the
+    values copied in (cast to each tensor's dtype and device), and :meth:`restore` copies the kept values
+    back. For tensors whose storage others read (FSDP2's sharded parameters: its all-gathers read its own
+    padded storage, of which the local shard is a view) and values on another device."""
+
+    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
+        self.tensors = list(tensors)
+        self.values = list(values)
+        self.kept: list[Optional[Tensor]] = [None] * len(self.tensors)
+        self._apply()
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        for index, (tensor, value) in enumerate(zip(self.tensors, self.values)):
+            if value is not None:
+                self.kept[index] = tensor.detach().clone()
+                tensor.copy_(value)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Every tensor holds its own values again."""
+        for tensor, kept in zip(self.tensors, self.kept):
+            if kept is not None:
+                tensor.copy_(kept)
+        self.kept = [None] * len(self.tensors)
+
+    @contextmanager
+    def own_data(self) -> Iterator[None]:
+        """Inside, the tensors hold their own values (what is written into them is kept); afterwards the
+        values again."""
+        self.restore()
+        try:
+            yield
+        finally:
             self._apply()
 
 

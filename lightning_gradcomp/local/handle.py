@@ -27,6 +27,7 @@ every rank's model.
 from __future__ import annotations
 
 import gc
+import warnings
 from datetime import timedelta
 from typing import Any, ContextManager, Optional, Sequence, Union
 
@@ -161,15 +162,28 @@ class LocalUpdateHandle(GradCompHandle):
         if not isinstance(state, dict):
             raise ValueError(f"`state` must be the dict that state_dict() returned on rank 0, got "
                              f"{type(state).__name__}")
-        group = self.hook_state.driver.group
-        rank = dist.get_rank(group)
+        rank, workers = self._entry_position()
+        restored = []
 
         def load(ranks: list[dict[str, Any]]) -> None:
             self.hook_state.load_state_dict(ranks[rank], self.device)
             if ranks[rank].get("local") is not None:
                 self.loop.load_state_dict(ranks[rank]["local"], self.optimizers)
+            restored.append(True)
 
-        restore_entry(state, self.hook_state, dist.get_world_size(group), self.compressor, load)
+        restore_entry(state, self.hook_state, workers, self.compressor, load)
+        if not restored and rank == 0:
+            warnings.warn(
+                "gradcomp: the checkpoint's local-update state belongs to another number of workers, compressor or "
+                "shard layout, so it is dropped too: every worker's replica and inner-optimizer state, the outer "
+                "optimizer's state and the window position. Training goes on from the model as loaded (load the "
+                "checkpoint's model, θ_global, before this call) as if a synchronisation had just happened",
+                UserWarning, stacklevel=2)
+
+    def _entry_position(self) -> tuple[int, int]:
+        """This rank's index in the checkpoint entry and the entry's number of ranks: the exchange group's."""
+        group = self.hook_state.driver.group
+        return dist.get_rank(group), dist.get_world_size(group)
 
 
 def local_updates(
@@ -189,6 +203,7 @@ def local_updates(
     group: Optional[dist.ProcessGroup] = None,
     telemetry: bool = False,
     timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+    global_device: Optional[Union[str, torch.device]] = None,
 ) -> LocalUpdateHandle:
     """Train ``model`` with local updates on this rank of ``group`` (default: the world).
 
@@ -211,6 +226,9 @@ def local_updates(
             before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
             only fails with advice instead of hanging. The exchange itself fails a dead peer after the
             process group's own timeout.
+        global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
+            device) or ``"cpu"`` (host memory, pinned: 2-3x the model's bytes kept off the accelerator, at
+            the price of a copy each way per synchronisation).
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
@@ -224,7 +242,8 @@ def local_updates(
     refuse_gradient_all_reduce(model)
     broadcast_from_first_rank(model, group)
     handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
-                    min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True)
+                    min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True,
+                    global_device=check_global_device(global_device))
     handle.hook_state.telemetry = check_bool(telemetry, "telemetry")
     handle.checkpoint_group = checkpoint_group(group, timeout)
     if optimizers:
@@ -234,7 +253,8 @@ def local_updates(
 
 def attach(module: torch.nn.Module, optimizers: Sequence[Optimizer], config: LocalUpdates,
            compressor: Union[Compressor, str], error_feedback: Optional[bool] = None, min_compress_numel: int = 1024,
-           seed: int = 0, group: Optional[dist.ProcessGroup] = None, refuse_ddp: bool = False) -> LocalUpdateHandle:
+           seed: int = 0, group: Optional[dist.ProcessGroup] = None, refuse_ddp: bool = False,
+           global_device: Optional[Union[str, torch.device]] = None) -> LocalUpdateHandle:
     """The outer loop of ``module`` on this rank of ``group``, whose ranks hold the same values now
     (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
     step, see :func:`refuse_gradient_all_reduce`)."""
@@ -243,7 +263,22 @@ def attach(module: torch.nn.Module, optimizers: Sequence[Optimizer], config: Loc
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
                                    min_compress_numel=min_compress_numel, seed=seed, group=group,
                                    exchange_thread=config.delay > 0, device=device)
-    return LocalUpdateHandle(LocalUpdateLoop(module, config, hook_state), optimizers, device, refuse_ddp)
+    loop = LocalUpdateLoop(module, config, hook_state, global_device=global_device)
+    return LocalUpdateHandle(loop, optimizers, device, refuse_ddp)
+
+
+def check_global_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
+    """``global_device``: ``None`` (the parameters' device) or the CPU (host memory)."""
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type != "cpu":
+        raise ValueError(f"`global_device` must be None (θ_global on the parameters' device) or 'cpu' (host "
+                         f"memory), got {value!r}")
+    return device
 
 
 def refuse_gradient_all_reduce(model: torch.nn.Module) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.global_model import GlobalBuffers, SwappedIn
+from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
 from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
 from lightning_gradcomp.local.outer import (
     averaged,
@@ -78,7 +78,7 @@ class ScheduledSyncs:
     global_buffers: GlobalBuffers
     synced: bool = False
     #: ``θ_global`` shown in the module (:meth:`global_weights`), ``None`` while the replica is
-    _view: Optional[SwappedIn] = None
+    _view: Optional[Union[SwappedIn, CopiedIn]] = None
 
     def step(self) -> bool:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
@@ -123,13 +123,27 @@ class ScheduledSyncs:
         if self._view is not None:  # nested: already shown
             yield
             return
-        self._view = SwappedIn([*self.params, *(buffer for _, buffer in self.buffers)],
-                               [*self.outer.global_params, *self.global_buffers.values])
+        self._view = self._show_global([*self.params, *(buffer for _, buffer in self.buffers)],
+                                       [*self.outer.global_params, *self.global_buffers.values])
         try:
             yield
         finally:
             view, self._view = self._view, None
             view.restore()
+
+    @property
+    def shown_by_copy(self) -> bool:
+        """Whether :meth:`global_weights` is open and shows ``θ_global`` by copying it into the module's
+        tensors (sharded parameters, ``θ_global`` in host memory): what is read from the module meanwhile
+        without copying (a ``state_dict`` on the CPU) changes when the view closes."""
+        return isinstance(self._view, CopiedIn)
+
+    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
+        """``values`` shown in ``tensors``: by reference, or by copying where ``θ_global`` lives on another
+        device than the parameters (host memory)."""
+        if any(value is not None and value.device != tensor.device for tensor, value in zip(tensors, values)):
+            return CopiedIn(tensors, values)
+        return SwappedIn(tensors, values)
 
     @contextmanager
     def _replica_shown(self) -> Iterator[None]:
@@ -173,25 +187,33 @@ class LocalUpdateLoop(ScheduledSyncs):
         exchange: the rank's exchange state (compressor, error feedback, memory, accounting), built with
             the module's parameter names (and ``exchange_thread=True`` when ``config.delay > 0``); it is
             the strategy's ``hook_state`` in checkpoints and callbacks, as for per-step compression.
+        global_device: where ``θ_global`` and the outer optimizer's state live (default: the parameters'
+            device; ``"cpu"``: host memory).
 
     Attributes:
         synced: whether the last :meth:`step` merged a synchronisation.
     """
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState) -> None:
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+                 global_device: Optional[Union[str, torch.device]] = None) -> None:
         self.module = module
         named = trainable_parameters(module)
         self.names = [name for name, _ in named]
-        self.params = [p for _, p in named]
+        self._parameters = [p for _, p in named]
         self.buffers = list(module.named_buffers())
         self.exchange = exchange
         self.outer = OuterModel(self.names, self.params, config,
-                                fragment_of=fragment_assignment(module, self.names, config))
+                                fragment_of=fragment_assignment(module, self.names, config), device=global_device)
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
         self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
         self.pending: list[PendingSync] = []
         self.synced = False
+
+    @property
+    def params(self) -> list[Tensor]:  # type: ignore[override]
+        """The tensors this rank trains and synchronises, in the order of :attr:`names`."""
+        return self._parameters
 
     @property
     def sync_every(self) -> int:
@@ -201,10 +223,11 @@ class LocalUpdateLoop(ScheduledSyncs):
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
         """Start the exchange of ``fragment``'s outer gradients (on the exchange thread when delayed)."""
         indices = self.outer.members(fragment)
-        deltas = self.outer.outer_gradients(self.params, indices)
+        params = self.params
+        deltas = self.outer.outer_gradients(params, indices)
         pending = PendingSync(fragment, merge_at, [torch.empty_like(delta) for delta in deltas])
-        entries = [Entry(self.names[i], tuple(self.params[i].shape), delta, out)
-                   for i, delta, out in zip(indices, deltas, pending.averaged)]
+        entries = [Entry(self.names[i], tuple(params[i].shape), delta, out)  # an empty shard sends nothing
+                   for i, delta, out in zip(indices, deltas, pending.averaged) if delta.numel()]
         buckets = sync_buckets(entries)
         for number, bucket in enumerate(buckets):
             last = number == len(buckets) - 1

@@ -9,7 +9,10 @@ Optimization", for the outer optimizer as a server optimizer)::
     θ_w      ← θ_global
 
 ``θ_global`` is kept in fp32 (fp64 for fp64 parameters) whatever the parameters' dtype, so that a
-bf16 model's small outer steps do not round away; ``Δ`` is formed in that dtype too.
+bf16 model's small outer steps do not round away; ``Δ`` is formed in that dtype too. It and the outer
+optimizer's state live on the parameters' device, or in host memory (``device="cpu"``, as torchft's
+``backup_device``: 2-3x the parameters' bytes kept off the accelerator); ``Δ`` is then formed on the
+parameters' device, from a copy of ``θ_global`` made there, and exchanged there.
 
 An outer gradient that is not finite on some worker (the engine makes the whole bucket NaN on every
 worker) is never applied: the outer step is skipped with a warning, and every worker restarts from the
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -40,13 +43,16 @@ class OuterModel:
         fragment_of: the fragment of each parameter, from :func:`fragment_assignment` (which sees the
             module); ``None``: from the names alone (:func:`assign_fragments`: modules dealt out in turn, or
             the user's fragments given by name).
+        device: where ``θ_global`` and the outer optimizer's state live (default: each parameter's device;
+            ``"cpu"``: host memory, pinned when the parameters are on an accelerator).
     """
 
     def __init__(self, names: Sequence[str], params: Sequence[Tensor], config: LocalUpdates,
-                 fragment_of: Optional[Sequence[int]] = None) -> None:
+                 fragment_of: Optional[Sequence[int]] = None,
+                 device: Optional[Union[str, torch.device]] = None) -> None:
         self.names = list(names)
-        self.global_params = [torch.nn.Parameter(p.detach().to(dtype=state_dtype(p.dtype), copy=True),
-                                                 requires_grad=False) for p in params]
+        self.device = torch.device(device) if device is not None else None
+        self.global_params = [torch.nn.Parameter(global_copy(p, self.device), requires_grad=False) for p in params]
         self.optimizer = config.make_outer_optimizer(self.global_params)
         self.sync_every = config.sync_every
         self.delay = config.delay
@@ -64,6 +70,9 @@ class OuterModel:
         self.syncs = 0
         #: ``‖Δ̄‖₂`` of the last synchronisation (``nan`` before the first, or when it was not finite)
         self.last_norm = math.nan
+        #: for a sharded model, sums a tensor in place over the other shards of the replica (a collective), so
+        #: that every shard skips or applies a synchronisation alike and :attr:`last_norm` is the model's
+        self.sum_over_shards: Optional[Callable[[Tensor], None]] = None
         #: per fragment, the inner step at which its last exchange started and the one at which it merged
         self.started_at = [0] * self.fragments
         self.merged_at = [0] * self.fragments
@@ -99,8 +108,8 @@ class OuterModel:
     def outer_gradients(self, params: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
         """``Δ = θ_global − θ`` of the parameters ``indices`` of one worker's ``params``, flat, in the state
         dtype."""
-        return [(self.global_params[i] - params[i].detach().to(self.global_params[i].dtype)).view(-1)
-                for i in indices]
+        return [(self.global_params[i].to(params[i].device, non_blocking=True)
+                 - params[i].detach().to(self.global_params[i].dtype)).view(-1) for i in indices]
 
     @torch.no_grad()
     def apply(self, averaged: Sequence[Tensor], indices: Sequence[int]) -> bool:
@@ -108,9 +117,12 @@ class OuterModel:
         optimizer skips the others, whose gradients are ``None``). Whether it was applied (``False``: ``Δ̄``
         was not finite, the step skipped with a warning)."""
         self.syncs += 1
-        norms = torch.stack([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(averaged), 2))),
+        norms = torch.stack([torch.stack(torch._foreach_norm(list(averaged), 2)).square().sum(),
                              torch.stack(torch._foreach_norm(list(averaged), math.inf)).max()])
-        norm, peak = norms.tolist()  # one host read per synchronisation
+        if self.sum_over_shards is not None:  # the other shards' figures: one verdict, one norm, for the model
+            self.sum_over_shards(norms)
+        squares, peak = norms.tolist()  # one host read per synchronisation
+        norm = math.sqrt(squares) if math.isfinite(squares) else math.nan
         if not math.isfinite(peak):
             self.last_norm = math.nan
             warnings.warn(
@@ -120,7 +132,8 @@ class OuterModel:
             return False
         self.last_norm = norm
         for index, delta in zip(indices, averaged):
-            self.global_params[index].grad = delta.view_as(self.global_params[index])
+            glob = self.global_params[index]
+            glob.grad = delta.view_as(glob).to(glob.device)
         self.optimizer.step()
         for index in indices:
             self.global_params[index].grad = None
@@ -133,9 +146,9 @@ class OuterModel:
         for index in indices:
             p, glob = params[index], self.global_params[index]
             if alpha == 0.0:
-                p.copy_(glob)
+                p.copy_(glob, non_blocking=True)
             else:
-                p.copy_(torch.lerp(glob, p.to(glob.dtype), alpha))
+                p.copy_(torch.lerp(glob.to(p.device, non_blocking=True), p.to(glob.dtype), alpha))
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -181,6 +194,15 @@ class OuterModel:
                           f"this run has {(self.sync_every, self.fragments, self.overlap)}; the step counter "
                           f"({self.optimizer_steps}) is kept and the new schedule follows from it", UserWarning,
                           stacklevel=2)
+
+
+def global_copy(p: Tensor, device: Optional[torch.device]) -> Tensor:
+    """A copy of ``p`` in the state dtype, on ``device`` (``None``: ``p``'s; the CPU for a parameter on an
+    accelerator: pinned, so that the copies to and from the accelerator can overlap)."""
+    copy = p.detach().to(device=device if device is not None else p.device, dtype=state_dtype(p.dtype), copy=True)
+    if copy.device.type == "cpu" and p.device.type != "cpu" and torch.cuda.is_available():
+        copy = copy.pin_memory()
+    return copy
 
 
 def buffer_dtype(buffers: Sequence[Tensor]) -> torch.dtype:

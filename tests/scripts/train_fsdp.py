@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-import lightning_gradcomp  # noqa: F401  (registers "gradcomp_fsdp")
+import lightning_gradcomp  # (registers "gradcomp_fsdp")
 from lightning_gradcomp import GradCompFSDPStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor, DGCWarmup, GradientNormTrigger
 from lightning_gradcomp.examples.digits import DigitsDataModule
@@ -64,10 +64,14 @@ class SaveAtEpochEnd(Callback):
 
     def __init__(self, epoch: int, path: str) -> None:
         self.epoch, self.path = epoch, path
+        self.saved_global: dict = {}
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch + 1 == self.epoch:
             trainer.save_checkpoint(self.path)
+            loop = trainer.strategy.outer_loop
+            if loop is not None:  # what the checkpoint's model should be: θ_global, this rank's shards
+                self.saved_global = dict(zip(loop.names, (glob.detach().clone() for glob in loop.outer.global_params)))
 
 
 class RecordSteps(Callback):
@@ -104,11 +108,16 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="validate at every epoch's end")
     parser.add_argument("--trigger", action="store_true", help="add GradientNormTrigger (density 0.1 / 0.01)")
     parser.add_argument("--warmup", action="store_true", help="add DGCWarmup(steps=4)")
+    parser.add_argument("--local-updates", type=int, default=None, help="local updates on the shards, H")
+    parser.add_argument("--delay", type=int, default=0, help="with --local-updates: Streaming DiLoCo's delay")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
     L.seed_everything(7, verbose=False)
+    local = (lightning_gradcomp.LocalUpdates(args.local_updates, delay=args.delay) if args.local_updates is not None
+             else None)
     strategy = GradCompFSDPStrategy(compressor=args.compressor, shard_size=args.shard_size, min_compress_numel=256,
+                                    local_updates=local,
                                     save_distributed_checkpoint=not args.single_file,
                                     auto_wrap_policy={torch.nn.TransformerEncoderLayer} if args.wrap == "policy"
                                     else None)
@@ -120,8 +129,9 @@ def main() -> None:
         callbacks.append(GradientNormTrigger(low={"density": 0.1}, high={"density": 0.01}))
     if args.warmup:
         callbacks.append(DGCWarmup(steps=4))
-    if args.save:
-        callbacks.append(SaveAtEpochEnd(args.save_at_epoch, args.save))
+    saver = SaveAtEpochEnd(args.save_at_epoch, args.save) if args.save else None
+    if saver is not None:
+        callbacks.append(saver)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate, callbacks=callbacks, log_every_n_steps=5,
@@ -151,6 +161,11 @@ def main() -> None:
         "sampler": strategy.distributed_sampler_kwargs,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
     }
+    if strategy.outer_loop is not None:
+        outer = strategy.outer_loop.outer
+        result.update(syncs=outer.syncs, optimizer_steps=outer.optimizer_steps,
+                      global_shards=[glob.detach().clone() for glob in outer.global_params],
+                      saved_global=saver.saved_global if saver is not None else {})
     torch.save(result, f"{args.out}.rank{trainer.global_rank}.pt")
 
 

@@ -1,0 +1,279 @@
+"""Plain PyTorch: local updates (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo) on an FSDP2-sharded model.
+
+::
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["shard"])      # 1-D: FSDP shards inside the replica, nothing more
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gradcomp = lightning_gradcomp.local_updates(model, optimizer, sync_every=100, compressor="int8", mesh=mesh)
+    for batch in loader:
+        loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()   # FSDP inside the replica
+    gradcomp.sync()                                  # the end: every rank's shard set to θ_global's
+
+A replica is one ``"shard"`` group of the mesh: FSDP2's reduce-scatters and all-gathers run inside it every
+step, and nothing crosses between replicas until a synchronisation. There each rank's outer gradient of
+its *local shard*, ``Δ = θ_global − θ`` (DiLoCo, Douillard et al. 2023, Algorithm 1, applied shard by
+shard: every operation of the outer step is elementwise or per tensor, and the ranks of one shard in the
+replicas hold the same row block of each parameter), goes through the exchange engine over
+``mesh["replicate"]`` with any compressor (shape-aware ones on the local row blocks, as for
+:func:`~lightning_gradcomp.register_fsdp`), and the outer optimizer steps this rank's shard of
+``θ_global``. ``θ_global``, the outer optimizer's state, the residuals and the compressor state are per
+shard: no rank holds a whole copy of the model, on the accelerator or (``global_device="cpu"``) in host
+memory. Torchft's ``DiLoCo`` has the same shape (outer gradients of the local tensor of each DTensor,
+exchanged across the replica group).
+
+The schedule, the fragments (any grouping of parameters: each rank exchanges its shards of the fragment's
+parameters; FSDP modules, or groups of them, are natural ones), ``delay``, ``alpha``, ``overlap``, the
+checkpoint and ``sync()``/``global_weights()`` are those of the replicated loop
+(:mod:`lightning_gradcomp.local`): this module supplies the local shards and FSDP2's checks.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
+from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
+from lightning_gradcomp.local.global_model import CopiedIn
+from lightning_gradcomp.local.handle import check_global_device, LocalUpdateHandle
+from lightning_gradcomp.local.handle import local_updates as replicated_local_updates
+from lightning_gradcomp.local.loop import LocalUpdateLoop
+from lightning_gradcomp.local.outer import cpu_copy
+
+#: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
+LOCAL_SHARD_KEY = "local_shard"
+
+
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor``: a DTensor's local tensor (a view of FSDP2's sharded storage, so
+    writing into it changes the parameter), else ``tensor`` itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class ShardedLocalUpdateLoop(LocalUpdateLoop):
+    """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` over this rank's local shards of an FSDP2 model.
+
+    The parameters are FSDP2's sharded parameters (DTensors); :attr:`params` reads their local tensors
+    afresh each time (FSDP2 may re-point them at new storage at its lazy initialisation), so ``θ_global``,
+    ``Δ`` and the merges have the local shard's shape. ``θ_global`` is shown in the module by copying
+    (:class:`~lightning_gradcomp.local.global_model.CopiedIn`): FSDP2's all-gathers read its own storage.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+                 shard_group: dist.ProcessGroup, global_device: Optional[Union[str, torch.device]] = None) -> None:
+        super().__init__(module, config, exchange, global_device=global_device)
+        self.shard_group = shard_group
+        self.outer.sum_over_shards = self._sum_over_shards
+
+    def _sum_over_shards(self, tensor: Tensor) -> None:
+        """Sum ``tensor`` over the replica's shards (the outer step's verdict and norm are the model's)."""
+        dist.all_reduce(tensor, group=self.shard_group)
+
+    @property
+    def params(self) -> list[Tensor]:  # type: ignore[override]
+        return [local_shard(p) for p in self._parameters]
+
+    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> CopiedIn:
+        return CopiedIn(tensors, values)
+
+    def state_dict(self, optimizers: Sequence[Optimizer] = ()) -> dict[str, Any]:
+        """The replicated loop's entry, each inner optimizer's state as its local shards."""
+        state = super().state_dict(())
+        state["optimizers"] = [sharded_optimizer_state(optimizer) for optimizer in optimizers]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
+        saved = state.get("optimizers", [])
+        if len(saved) != len(optimizers):
+            raise ValueError(f"gradcomp: the checkpoint holds {len(saved)} inner optimizer states, the run has "
+                             f"{len(optimizers)} optimizers")
+        super().load_state_dict({**state, "optimizers": []}, ())
+        for optimizer, optimizer_state in zip(optimizers, saved):
+            load_sharded_optimizer_state(optimizer, optimizer_state)
+
+
+class ShardedLocalUpdateHandle(LocalUpdateHandle):
+    """What :func:`local_updates` returns for an FSDP2 model (see
+    :class:`~lightning_gradcomp.local.handle.LocalUpdateHandle`): its checkpoint entry holds every rank of the
+    world, each its own shard's state, and its summary averages over every rank."""
+
+    def _entry_position(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    def _summary_group(self) -> Optional[dist.ProcessGroup]:
+        return None
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend() == dist.Backend.NCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def local_updates(
+    model: torch.nn.Module,
+    optimizers: Union[Optimizer, Sequence[Optimizer]],
+    sync_every: int = 100,
+    compressor: Union[Compressor, str] = "none",
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    outer_optimizer: Optional[OuterOptimizerFactory] = None,
+    fragments: Fragments = 1,
+    delay: int = 0,
+    alpha: float = 0.0,
+    overlap: str = "after",
+    error_feedback: Optional[bool] = None,
+    min_compress_numel: int = 1024,
+    seed: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    telemetry: bool = False,
+    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+    global_device: Optional[Union[str, torch.device]] = None,
+) -> LocalUpdateHandle:
+    """Train ``model`` with local updates: a whole model on every rank (``mesh=None``; see
+    :func:`lightning_gradcomp.local.local_updates`), or an FSDP2-sharded one whose replicas are the
+    ``"shard"`` groups of ``mesh``.
+
+    Args:
+        model: the bare model. Sharded: ``fully_shard(..., mesh=mesh["shard"])`` applied to its blocks and to
+            it (a 1-D shard mesh, so that FSDP itself all-reduces nothing between replicas); rank 0's shard
+            values are broadcast to the other replicas now.
+        mesh: for a sharded model, the 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``; the
+            outer gradients cross ``mesh["replicate"]``.
+        global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
+            device) or ``"cpu"`` (host memory, pinned; as torchft's ``backup_device``).
+        optimizers, sync_every, compressor, outer_optimizer, fragments, delay, alpha, overlap, error_feedback,
+        min_compress_numel, seed, telemetry, timeout: as for the replicated
+            :func:`lightning_gradcomp.local.local_updates`; ``group`` is for a whole model only (a sharded
+            one's replica group is ``mesh["replicate"]``), and the checkpoint entry of a sharded model holds
+            every rank of the world.
+    """
+    sharded = bool(_sharded_modules(model))
+    if mesh is None and not sharded:
+        return replicated_local_updates(
+            model, optimizers, sync_every, compressor, outer_optimizer=outer_optimizer, fragments=fragments,
+            delay=delay, alpha=alpha, overlap=overlap, error_feedback=error_feedback,
+            min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
+            global_device=global_device)
+    if mesh is None:
+        raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
+                         "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
+                         "fully_shard(..., mesh=mesh['shard'])")
+    if group is not None:
+        raise ValueError("gradcomp.local_updates: `group` is for a whole model; a sharded model's replicas exchange "
+                         "over mesh['replicate'] (leave group=None)")
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
+    handle = attach_sharded(model, mesh, config, compressor, error_feedback=error_feedback,
+                            min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
+                            global_device=global_device)
+    handle.optimizers = optimizers
+    if optimizers:
+        handle.count_optimizer_steps(optimizers[0])
+    return handle
+
+
+def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdates, compressor: Union[Compressor, str],
+                   *, error_feedback: Optional[bool] = None, min_compress_numel: int = 1024, seed: int = 0,
+                   telemetry: bool = False, timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+                   global_device: Optional[Union[str, torch.device]] = None) -> ShardedLocalUpdateHandle:
+    """The outer loop of an FSDP2 model sharded over ``mesh["shard"]`` on this rank, its replicas made equal
+    now (the first replica's shards broadcast); no inner optimizer yet (set :attr:`optimizers` for the
+    checkpoint, and call ``loop.step()`` after each optimizer step, as the Trainer strategy does)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
+    shard_group, replicate_group = _check_mesh(mesh)
+    _check_sharding(model, shard_group)
+    timeout = check_checkpoint_timeout(timeout)
+    global_device = check_global_device(global_device)
+    device = next(model.parameters()).device
+    _broadcast_replica(model, replicate_group)
+    names = {id(p): name for name, p in model.named_parameters()}
+    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
+                                   min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
+                                   exchange_thread=config.delay > 0, device=device)
+    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    # θ_global, the residuals and the outer state fit this mesh's shards only: another split drops them
+    hook_state.layout = f"local-hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
+    loop = ShardedLocalUpdateLoop(model, config, hook_state, shard_group, global_device=global_device)
+    handle = ShardedLocalUpdateHandle(loop, [], device)
+    handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
+    return handle
+
+
+def _sharded_modules(model: torch.nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _check_sharding(model: torch.nn.Module, shard_group: dist.ProcessGroup) -> None:
+    """Every FSDP module sharded over ``mesh["shard"]`` alone (not native HSDP), and every trainable
+    parameter sharded by one: a parameter outside FSDP would be averaged by nobody inside the replica."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    sharded = set()
+    for module_name, _, param_group in _fsdp_modules(model, caller="local_updates"):
+        _check_group(module_name, param_group, shard_group, caller="local_updates")
+        sharded |= {names.get(id(fsdp_param.sharded_param)) for fsdp_param in param_group.fsdp_params}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in sharded]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"gradcomp.local_updates: the trainable parameters {shown} are not sharded by any "
+                         "fully_shard, so the ranks of a replica would train them apart; apply "
+                         "fully_shard(module, mesh=mesh['shard']) to the modules holding them, and finally to the "
+                         "root module")
+
+
+@torch.no_grad()
+def _broadcast_replica(model: torch.nn.Module, replicate_group: dist.ProcessGroup) -> None:
+    """Every replica starts from the first replica's shards and buffers (the same shard's ranks agree)."""
+    source = dist.get_global_rank(replicate_group, 0)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(local_shard(tensor), source, group=replicate_group)
+
+
+def sharded_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every tensor copied to the CPU, a DTensor as its local shard
+    (``{"local_shard": tensor}``): this rank's part, loadable with plain ``torch.load``."""
+    def local(value: Any) -> Any:
+        if isinstance(value, Tensor) and callable(getattr(value, "to_local", None)):
+            return {LOCAL_SHARD_KEY: value.to_local().detach().cpu().clone()}
+        if isinstance(value, dict):
+            return {key: local(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(local(item) for item in value)
+        return cpu_copy(value)
+    return local(optimizer.state_dict())
+
+
+def load_sharded_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
+    """Restore a :func:`sharded_optimizer_state`: each local shard becomes a DTensor again, laid out as the
+    parameter it belongs to."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param: dict[Any, Any] = {}
+    for index, values in state.get("state", {}).items():
+        parameter = params[int(index)]
+        per_param[index] = {
+            key: (DTensor.from_local(value[LOCAL_SHARD_KEY].to(local_shard(parameter).device), parameter.device_mesh,
+                                     parameter.placements, run_check=False, shape=parameter.shape,
+                                     stride=parameter.stride())
+                  if isinstance(value, dict) and set(value) == {LOCAL_SHARD_KEY} else value)
+            for key, value in values.items()}
+    optimizer.load_state_dict({**state, "state": per_param})

@@ -1,0 +1,22 @@
+"""Our uncompressed DiLoCo on FSDP2 shards against torchft's ``DiLoCo`` (skipped without torchft, the ``ft``
+extra): the same model, data, inner and outer optimizers, 2 replica groups x 2 shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._processes import free_port, run_processes
+from tests._torchft_workers import check_diloco_equals_torchft
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_sharded_diloco_equals_torchft_diloco() -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        run_processes(check_diloco_equals_torchft, 4, [free_port() for _ in range(3)], lighthouse.address())
+    finally:
+        lighthouse.shutdown()
