@@ -16,8 +16,8 @@ the nodes in fp32 (``hsdp``) or bf16 (``hsdp_bf16``, ``MixedPrecisionPolicy(redu
 ``register_fsdp`` with Top-k 0.1%, int8 or PowerSGD rank 2 (``hsdp_topk``, ``hsdp_int8``,
 ``hsdp_powersgd``), and ``hsdp_noop``, FSDP inside the node with nothing between the nodes (the bound);
 ``hsdp_diloco``, ``hsdp_diloco_int8`` and ``hsdp_diloco_sparseloco`` train with local updates on the shards
-(``local_updates(..., mesh=mesh)``, ``H = --sync-every``), timed per inner step over ``--steps // H`` whole
-windows after one, synchronisations included. Printed: median step time over ``--steps`` steps after
+(``local_updates(..., mesh=mesh)``, ``H = --sync-every``, each exchange overlapped with ``--delay`` inner
+steps), timed per inner step over ``--steps // H`` whole windows after one, synchronisations included. Printed: median step time over ``--steps`` steps after
 warm-up, ratios to DDP and to the bound, and the communication time the network model predicts for
 the collectives rank 0 logged (``Network(rate, local_size=2, intra_bandwidth_gbps=--intra-gbps)``).
 """
@@ -69,7 +69,7 @@ def create_nodes(rate: str) -> None:
 
 
 def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_name: str, out: str,
-           sync_every: int = 10) -> None:
+           sync_every: int = 10, delay: int = 0) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -78,14 +78,14 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
     from lightning_gradcomp.compressors import DGC, PowerSGD, TopK
     from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, node_groups
     from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
-    from _timing import ddp_step_times, window_step_times
+    from _timing import ddp_step_times
     from slow_link import build_model
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=NODES["A"][2], MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2 * LOCAL_SIZE)
     if method.startswith("hsdp"):
-        hsdp_worker(rank, steps, warmup, method, model_name, out, sync_every)
+        hsdp_worker(rank, steps, warmup, method, model_name, out, sync_every, delay)
         return
     hierarchical = method.endswith("_hier")
     groups = node_groups(2, LOCAL_SIZE) if hierarchical else None  # every rank creates the groups
@@ -124,7 +124,7 @@ def worker(rank: int, port: int, steps: int, warmup: int, method: str, model_nam
 
 
 def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str, out: str,
-                sync_every: int = 10) -> None:
+                sync_every: int = 10, delay: int = 0) -> None:
     """One rank of a sharded method: FSDP2 over the node's 2 processes, the nodes as replicas."""
     import torch
     import torch.distributed as dist
@@ -153,18 +153,27 @@ def hsdp_worker(rank: int, steps: int, warmup: int, method: str, model_name: str
             module.set_all_reduce_hook(lambda reduce_output: None)
     elif method in LOCAL_HSDP_METHODS:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        local = lightning_gradcomp.local_updates(model, optimizer, sync_every, LOCAL_HSDP_METHODS[method], mesh=mesh)
+        local = lightning_gradcomp.local_updates(model, optimizer, sync_every, LOCAL_HSDP_METHODS[method], mesh=mesh,
+                                                 delay=delay)
         generator = torch.Generator().manual_seed(rank)
         x = torch.randn(batch_shape, generator=generator)
         y = torch.randint(0, 10, (batch_shape[0],), generator=generator)
-        times = window_step_times(model, optimizer, x, y, local.step, sync_every, max(1, steps // sync_every))
-        synced = local.hook_state.take_step_stats()  # the last window's synchronisation
+        taken: list = []  # every step's figures (an overlapped exchange is counted when it completes)
+
+        def outer_step() -> None:
+            local.step()
+            taken.append(local.hook_state.take_step_stats())
+
+        windows = max(1, steps // sync_every)
+        times = window_step_times(model, optimizer, x, y, outer_step, sync_every, windows)
+        local.close()
+        per_step = sum(stats.bytes_sent for stats in taken) / len(taken)
+        synced = next(stats for stats in reversed(taken) if stats.bytes_sent)
         if rank == 0:
             Path(out).write_text(json.dumps({"times": times, "collectives": synced.collectives, "sharded": True,
                                              "dense": sum(p.to_local().numel() * 4 for p in model.parameters()),
-                                             "bytes_sent": synced.bytes_sent / sync_every,
-                                             "bytes_per_sync": synced.bytes_sent, "sync_every": sync_every}))
-        local.close()
+                                             "bytes_sent": per_step, "bytes_per_sync": per_step * sync_every,
+                                             "sync_every": sync_every}))
         dist.destroy_process_group()
         return
     elif not native:
@@ -209,7 +218,7 @@ def run_method(method: str, args: argparse.Namespace) -> tuple[dict, str]:
                    PYTHONPATH=os.pathsep.join(filter(None, [str(Path(here).parent), os.environ.get("PYTHONPATH")])))
         command = ["ip", "netns", "exec", netns, sys.executable, here, "--worker", str(rank), "--port", str(port),
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out), "--methods", method,
-                   "--model", args.model, "--sync-every", str(args.sync_every)]
+                   "--model", args.model, "--sync-every", str(args.sync_every), "--delay", str(args.delay)]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
@@ -241,12 +250,15 @@ def main() -> None:
                         help="the network model's bandwidth inside a node (this VM's TCP loopback)")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + HSDP_METHODS + list(LOCAL_HSDP_METHODS))
     parser.add_argument("--sync-every", type=int, default=10, help="H of the hsdp_diloco* methods")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="the hsdp_diloco* methods' delay: each exchange overlapped with this many inner steps")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="/tmp/gradcomp_two_level", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out, args.sync_every)
+        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out, args.sync_every,
+               args.delay)
         return
     from lightning_gradcomp.metrics.netmodel import Network
 

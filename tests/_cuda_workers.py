@@ -291,3 +291,43 @@ def check_compressed_hsdp_without_host_sync(rank: int, world_size: int) -> None:
             assert handle.hook_state.step == 5 and handle.step_stats.bytes_sent >= 0, label
             assert all(torch.isfinite(p.to_local()).all() for p in model.parameters()), label
             handle.close()
+
+
+def check_sharded_local_updates_on_nccl(rank: int, world_size: int) -> None:
+    """Local updates on FSDP2 shards on NCCL (a 1 x 1 mesh), θ_global on the GPU and in pinned host memory
+    (``global_device="cpu"``), int8 and SparseLoCo, H = 3 over 7 steps with a bf16 ``MixedPrecisionPolicy``:
+    both places end within 1e-5 (the outer step's arithmetic, on two devices), every parameter finite,
+    and the host copy of θ_global is pinned; ``global_weights()`` shows it and gives the replica back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for compressor in ("int8", "sparseloco"):
+        ends = {}
+        for place in (None, "cpu"):
+            model = _model()
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
+            fully_shard(model, mesh=mesh["shard"], mp_policy=policy)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            handle = lightning_gradcomp.local_updates(model, optimizer, 3, compressor, mesh=mesh,
+                                                      min_compress_numel=256, global_device=place)
+            glob = handle.loop.outer.global_params[0]
+            assert glob.device.type == ("cpu" if place else "cuda") and (place is None or glob.is_pinned())
+            for x, y in _batches(rank, 7):
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            replica = [p.to_local().clone() for p in model.parameters()]
+            with handle.global_weights():
+                shown = [p.to_local().clone() for p in model.parameters()]
+            assert all(torch.equal(p.to_local(), r) for p, r in zip(model.parameters(), replica))
+            assert all(torch.equal(s.cpu(), g.cpu()) for s, g in zip(shown, handle.loop.outer.global_params))
+            handle.sync()
+            ends[place] = [p.to_local().clone() for p in model.parameters()]
+            assert all(torch.isfinite(p).all() for p in ends[place]), compressor
+            handle.close()
+        for on_gpu, on_host in zip(ends[None], ends["cpu"]):  # the outer step on the CPU may round otherwise
+            torch.testing.assert_close(on_host, on_gpu, atol=1e-5, rtol=0)

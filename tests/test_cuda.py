@@ -112,6 +112,12 @@ def test_compressed_hsdp_on_nccl_has_no_host_synchronisation() -> None:
 
 
 @pytest.mark.multiprocess
+def test_sharded_local_updates_on_nccl_with_global_weights_on_the_gpu_or_the_host() -> None:
+    """Local updates on FSDP2 shards (issue 38): θ_global on the GPU and in pinned host memory agree."""
+    workers.run_on_gpu(workers.check_sharded_local_updates_on_nccl, 1, "nccl")
+
+
+@pytest.mark.multiprocess
 def test_no_host_synchronisation_in_the_hook_on_nccl() -> None:
     """``torch.cuda.set_sync_debug_mode("error")`` around steps of every fixed-size compressor."""
     workers.run_on_gpu(workers.check_no_sync_in_the_hook, 1, "nccl")

@@ -39,12 +39,18 @@ def test_a_peer_dead_at_an_outer_synchronisation_is_an_error(compressor: str, co
     _check_failure(compressor, collective, fault, ["--local", "2"], tmp_path)
 
 
-def _check_failure(compressor: str, collective: str, fault: str, extra: list[str], cwd: Path) -> None:
+def test_a_peer_dead_at_an_outer_synchronisation_of_sharded_local_updates_is_an_error(tmp_path: Path) -> None:
+    """2 replicas x 2 FSDP2 shards: rank 3 is killed inside a window; rank 0, whose replica partner (rank 2)
+    fails at FSDP's next collective with rank 3, ends with the CollectiveError of its own exchange."""
+    _check_failure("topk", "all_gather", "kill", ["--local", "2", "--fsdp"], tmp_path, world=4)
+
+
+def _check_failure(compressor: str, collective: str, fault: str, extra: list[str], cwd: Path, world: int = 2) -> None:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ranks = [ScriptRun(SCRIPT, ["--rank", str(rank), "--port", str(port), "--compressor", compressor, "--fault", fault,
                                 "--timeout", str(TIMEOUT), "--min-compress-numel", "0", *extra], cwd, env)
-             for rank in range(2)]
+             for rank in range(world)]
     try:
         code, output = ranks[0].wait(timeout=120)
     finally:

@@ -163,6 +163,22 @@ def test_fabric_model_parallel_with_register_fsdp_learns_and_resumes_bit_for_bit
     assert abs(topk_last - native_last) < 0.2, (topk_last, native_last)  # measured: see the README
 
 
+@pytest.mark.multiprocess
+def test_fabric_local_updates_on_shards_end_on_theta_global_and_resume_mid_window_bit_for_bit(fsdp_runs) -> None:
+    """Fabric's ModelParallelStrategy + ``local_updates(..., mesh=)``: H = 5 with int8, 24 steps, a checkpoint at
+    step 12 (inside a window: the model saved as θ_global, the replicas in the entry), then ``sync()``."""
+    ranks, _ = fsdp_runs("fabric_fsdp.py", "fabric-local", "--local", "5", "--compressor", "int8")
+    for rank in ranks:
+        assert rank["syncs"] == 24 // 5 + 1, "4 windows and the final synchronisation of the last 4 steps"
+        assert rank["resumed_from"] == 12
+        assert all(torch.equal(rank["shards"][name], rank["resumed_shards"][name]) for name in rank["shards"])
+        assert [step for step, s in enumerate(rank["steps"], 1) if s["synced"]] == [5, 10, 15, 20]
+    assert _replicas_equal(ranks) and _replicas_equal(ranks, "resumed_shards"), "every rank ends on θ_global"
+    first = sum(_mean_loss(rank["steps"], slice(0, 6)) for rank in ranks) / WORLD
+    last = sum(_mean_loss(rank["steps"], slice(-6, None)) for rank in ranks) / WORLD
+    assert first - last > 0.2, (first, last)
+
+
 # ---------------------------------------------------------------------- bad options, before training
 def test_registered_for_the_trainer_and_every_override_is_marked() -> None:
     import inspect

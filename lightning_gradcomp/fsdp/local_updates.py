@@ -45,6 +45,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.global_model import CopiedIn
@@ -80,8 +81,14 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
         self.outer.sum_over_shards = self._sum_over_shards
 
     def _sum_over_shards(self, tensor: Tensor) -> None:
-        """Sum ``tensor`` over the replica's shards (the outer step's verdict and norm are the model's)."""
-        dist.all_reduce(tensor, group=self.shard_group)
+        """Sum ``tensor`` over the replica's shards (the outer step's verdict and norm are the model's); a
+        peer that died raises :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`."""
+        try:
+            dist.all_reduce(tensor, group=self.shard_group)
+        except Exception as error:
+            raise CollectiveError(
+                f"gradcomp: all_reduce of the outer step's verdict over the replica's shards failed on rank "
+                f"{dist.get_rank(self.shard_group)} of {dist.get_world_size(self.shard_group)}: {error}") from error
 
     @property
     def params(self) -> list[Tensor]:  # type: ignore[override]

@@ -34,14 +34,31 @@ def main() -> None:
     parser.add_argument("--thread", action="store_true", help="exchange on gradcomp's exchange thread")
     parser.add_argument("--local", type=int, default=0,
                         help="local updates synchronising every LOCAL steps (no DDP): the peer dies before a sync")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --local: 4 ranks, 2 replicas x 2 FSDP2 shards; rank 3 fails (rank 1 is its replica "
+                             "partner, rank 0 sees rank 2's failure in its own exchange)")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=args.timeout))
+    world = 4 if args.fsdp else 2
+    dist.init_process_group("gloo", rank=args.rank, world_size=world, timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     outer = state = None
-    if args.local:
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from lightning_gradcomp import local_updates as sharded_local_updates
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh["shard"])
+        ddp = model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = sharded_local_updates(model, optimizer, sync_every=args.local, compressor=args.compressor,
+                                      min_compress_numel=args.min_compress_numel, mesh=mesh)
+    elif args.local:
         ddp = model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         outer = local_updates(model, optimizer, sync_every=args.local, compressor=args.compressor,
@@ -56,7 +73,7 @@ def main() -> None:
     began = None
     try:
         for step in range(8):
-            if args.rank == 1 and step == 3:
+            if args.rank == world - 1 and step == 3:
                 if args.fault == "exit":
                     os._exit(0)
                 if args.fault == "kill":

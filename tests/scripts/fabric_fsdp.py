@@ -6,7 +6,9 @@ shards it (FSDP2 inside each replica), ``register_fsdp`` compresses what the rep
 Trains ``--steps`` steps, saving (``fabric.save``) after ``--save-at``; then builds the model again, loads
 that checkpoint (``fabric.load`` + ``gradcomp.load_state_dict``) and trains the remaining steps; then trains
 the same steps with native HSDP (``fully_shard`` on the 2-D mesh, dense fp32 all-reduce between replicas)
-for comparison. Every rank writes ``<out>.rank<R>.pt``: the shards of the runs' final parameters, losses,
+for comparison. With ``--local H`` the replicas train with local updates on their shards instead
+(``local_updates(model, optimizer, H, compressor, mesh=mesh)``; the checkpoint's model saved inside
+``global_weights()``, ``sync()`` at the end), and no native run follows. Every rank writes ``<out>.rank<R>.pt``: the shards of the runs' final parameters, losses,
 figures and the summary.
 """
 
@@ -31,6 +33,7 @@ from _fsdp_digits import DigitsTransformer, local_shards
 REPLICAS = 2
 mesh: Optional[DeviceMesh] = None  # ("replicate", "shard"), built once the processes have started
 native = False  # shard on the whole 2-D mesh instead: FSDP's own HSDP, nothing compressed
+local: Optional[int] = None  # --local H: local updates on the shards (local_updates(..., mesh=)) instead
 
 
 def shard(model: nn.Module, _fabric_mesh: DeviceMesh) -> nn.Module:
@@ -52,6 +55,9 @@ def build(fabric: Fabric, compressor: Optional[str]) -> tuple[Any, Any, Any]:
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     if native:
         return model, optimizer, None
+    if local is not None:
+        return model, optimizer, lightning_gradcomp.local_updates(model.module, optimizer, local, compressor, mesh=mesh,
+                                                                  min_compress_numel=256)
     gradcomp = lightning_gradcomp.register_fsdp(model.module, mesh, compressor, min_compress_numel=256)
     gradcomp.bind(optimizer)
     return model, optimizer, gradcomp
@@ -70,7 +76,10 @@ def main() -> None:
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-at", type=int, default=12)
+    parser.add_argument("--local", type=int, default=None, help="local updates on the shards every H steps")
     args = parser.parse_args()
+    global local
+    local = args.local
 
     world = 4
     strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=world, tensor_parallel_size=1)
@@ -94,14 +103,24 @@ def main() -> None:
             if gradcomp is not None:
                 stats = gradcomp.step_stats
                 steps[-1].update(bytes_sent=stats.bytes_sent, bytes_dense=stats.bytes_dense)
+                if local is not None:
+                    steps[-1]["synced"] = gradcomp.loop.synced  # this step ended a window
             if save and step + 1 == args.save_at:
-                fabric.save(path, {"model": model, "optimizer": optimizer, "gradcomp": gradcomp.state_dict(),
-                                   "step": step + 1})
+                entry = gradcomp.state_dict()  # every rank: a collective
+                state = {"model": model, "optimizer": optimizer, "gradcomp": entry, "step": step + 1}
+                if local is None:
+                    fabric.save(path, state)
+                else:
+                    with gradcomp.global_weights():  # the checkpoint's model is θ_global
+                        fabric.save(path, state)
+        if local is not None:
+            gradcomp.sync()  # the end: every rank's shards set to θ_global's
         return steps
 
     model, optimizer, gradcomp = build(fabric, args.compressor)
     steps = train(model, optimizer, gradcomp, 0, save=True)
     result = {"shards": local_shards(model.module), "steps": steps, "hook_step": gradcomp.hook_state.step,
+              "syncs": gradcomp.loop.outer.syncs if local is not None else None,
               "totals": gradcomp.totals.state_dict(), "summary": gradcomp.summary(),
               "mesh": mesh.get_coordinate()}
     gradcomp.close()
@@ -115,8 +134,9 @@ def main() -> None:
                   resumed_totals=gradcomp.totals.state_dict(), resumed_hook_step=gradcomp.hook_state.step)
     gradcomp.close()
 
-    model, optimizer, _ = build(fabric, None)
-    result.update(native_steps=train(model, optimizer, None, 0, save=False))
+    if local is None:
+        model, optimizer, _ = build(fabric, None)
+        result.update(native_steps=train(model, optimizer, None, 0, save=False))
     torch.save(result, f"{args.out}.rank{fabric.global_rank}.pt")
 
 
