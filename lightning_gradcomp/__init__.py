@@ -42,7 +42,7 @@ from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.fsdp import FSDPHandle, local_updates, register_fsdp
-from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates
+from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -76,6 +76,7 @@ __all__ = [
     "DGC",
     "DeMo",
     "EFSignSGD",
+    "FaultTolerance",
     "FP16",
     "FP4AllReduce",
     "FP8AllReduce",

@@ -158,8 +158,12 @@ class GradCompHandle:
             dist.all_reduce(values, group=group)
             return values.cpu() / dist.get_world_size(group)
 
-        return summarise(self.hook_state, self.compressor, dist.get_world_size(self.hook_state.driver.group), network,
-                         mean_over_ranks, optimizer_steps=self._optimizer_steps())
+        return summarise(self.hook_state, self.compressor, self._exchange_workers(), network, mean_over_ranks,
+                         optimizer_steps=self._optimizer_steps())
+
+    def _exchange_workers(self) -> int:
+        """The workers of the exchange, for the summary."""
+        return dist.get_world_size(self.hook_state.driver.group)
 
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
         """The ranks the summary's figures are averaged over: the exchange's."""

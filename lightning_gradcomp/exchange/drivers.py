@@ -186,6 +186,30 @@ class TorchDriver(_ByteCounter):
         return result
 
 
+class ReconfigurableDriver(TorchDriver):
+    """:class:`TorchDriver` on a process group that is not registered with ``torch.distributed`` and changes
+    between exchanges (torchft's quorum's group, reconfigured when replica groups leave or join): the group is
+    set with :meth:`use` before each exchange; its rank and size are the group's own. Gloo only (the host
+    waits on each collective's future)."""
+
+    def __init__(self, scope: str = "") -> None:
+        _ByteCounter.__init__(self, scope)
+        self.group = None
+        self._releases_on_wait = False
+
+    def use(self, group: dist.ProcessGroup) -> None:
+        """Issue the next exchanges on ``group``."""
+        self.group = group
+
+    @property
+    def world_size(self) -> int:
+        return self.group.size() if self.group is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank() if self.group is not None else 0
+
+
 class InProcessDriver:
     """Runs N simulated workers' exchanges in lock-step and combines their collectives in process.
 

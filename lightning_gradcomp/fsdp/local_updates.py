@@ -48,6 +48,7 @@ from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.global_model import CopiedIn
 from lightning_gradcomp.local.handle import check_global_device, LocalUpdateHandle
 from lightning_gradcomp.local.handle import local_updates as replicated_local_updates
@@ -149,6 +150,7 @@ def local_updates(
     telemetry: bool = False,
     timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
     global_device: Optional[Union[str, torch.device]] = None,
+    fault_tolerance: Optional[FaultTolerance] = None,
 ) -> LocalUpdateHandle:
     """Train ``model`` with local updates: a whole model on every rank (``mesh=None``; see
     :func:`lightning_gradcomp.local.local_updates`), or an FSDP2-sharded one whose replicas are the
@@ -163,8 +165,8 @@ def local_updates(
         global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
             device) or ``"cpu"`` (host memory, pinned; as torchft's ``backup_device``).
         optimizers, sync_every, compressor, outer_optimizer, fragments, delay, alpha, overlap, error_feedback,
-        min_compress_numel, seed, telemetry, timeout: as for the replicated
-            :func:`lightning_gradcomp.local.local_updates`; ``group`` is for a whole model only (a sharded
+        min_compress_numel, seed, telemetry, timeout, fault_tolerance: as for the replicated
+            :func:`lightning_gradcomp.local.local_updates` (``fault_tolerance``: whole models only, for now); ``group`` is for a whole model only (a sharded
             one's replica group is ``mesh["replicate"]``), and the checkpoint entry of a sharded model holds
             every rank of the world.
     """
@@ -174,7 +176,10 @@ def local_updates(
             model, optimizers, sync_every, compressor, outer_optimizer=outer_optimizer, fragments=fragments,
             delay=delay, alpha=alpha, overlap=overlap, error_feedback=error_feedback,
             min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
-            global_device=global_device)
+            global_device=global_device, fault_tolerance=fault_tolerance)
+    if fault_tolerance is not None:
+        raise ValueError("gradcomp.local_updates: fault_tolerance does not yet run local updates on sharded models; "
+                         "allowed with mesh=: fault_tolerance=None")
     if mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "

@@ -3,10 +3,11 @@ compressed outer gradients through the exchange engine. Plain PyTorch; the Light
 on it (``local_updates=`` of :class:`~lightning_gradcomp.GradCompStrategy`)."""
 
 from lightning_gradcomp.local.config import LocalUpdates, diloco_outer_optimizer
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import LocalUpdateHandle, local_updates
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import OuterModel
 from lightning_gradcomp.local.simulated import SimulatedLocalUpdates
 
-__all__ = ["LocalUpdateHandle", "LocalUpdateLoop", "LocalUpdates", "OuterModel", "SimulatedLocalUpdates",
+__all__ = ["FaultTolerance", "LocalUpdateHandle", "LocalUpdateLoop", "LocalUpdates", "OuterModel", "SimulatedLocalUpdates",
            "diloco_outer_optimizer", "local_updates"]

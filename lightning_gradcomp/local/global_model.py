@@ -20,7 +20,28 @@ import torch
 from torch import Tensor
 
 
-class SwappedIn:
+class _ShownValues:
+    """What :class:`SwappedIn` and :class:`CopiedIn` share: :meth:`restore` gives the tensors their own
+    values back, :meth:`_show` (re)applies the values, keeping the tensors' own first."""
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def _show(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def own_data(self) -> Iterator[None]:
+        """Inside, the tensors hold their own values (what is written into them is kept); afterwards the
+        values again."""
+        self.restore()
+        try:
+            yield
+        finally:
+            self._show()
+
+
+class SwappedIn(_ShownValues):
     """Tensors (parameters, buffers) pointed at other values while the swap lasts: each tensor's ``.data``
     is its value (cast to the tensor's dtype where they differ, a copy), so ``module.state_dict()`` and
     every forward see it; :meth:`restore` points each at its own data again. ``None`` values leave their
@@ -32,10 +53,10 @@ class SwappedIn:
     def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
         self.tensors = list(tensors)
         self.values = list(values)
-        self.kept = [tensor.data for tensor in self.tensors]
-        self._apply()
+        self._show()
 
-    def _apply(self) -> None:
+    def _show(self) -> None:
+        self.kept = [tensor.data for tensor in self.tensors]
         for tensor, value in zip(self.tensors, self.values):
             if value is not None:
                 tensor.data = value.detach() if value.dtype == tensor.dtype else value.detach().to(tensor.dtype)
@@ -45,19 +66,8 @@ class SwappedIn:
         for tensor, data in zip(self.tensors, self.kept):
             tensor.data = data
 
-    @contextmanager
-    def own_data(self) -> Iterator[None]:
-        """Inside, the tensors hold their own data (what is written into them is kept); afterwards the
-        values again."""
-        self.restore()
-        try:
-            yield
-        finally:
-            self.kept = [tensor.data for tensor in self.tensors]
-            self._apply()
 
-
-class CopiedIn:
+class CopiedIn(_ShownValues):
     """:class:`SwappedIn`'s contract by copying: the tensors' own values are kept aside (one copy each), the
     values copied in (cast to each tensor's dtype and device), and :meth:`restore` copies the kept values
     back. For tensors whose storage others read (FSDP2's sharded parameters: its all-gathers read its own
@@ -67,10 +77,10 @@ class CopiedIn:
         self.tensors = list(tensors)
         self.values = list(values)
         self.kept: list[Optional[Tensor]] = [None] * len(self.tensors)
-        self._apply()
+        self._show()
 
     @torch.no_grad()
-    def _apply(self) -> None:
+    def _show(self) -> None:
         for index, (tensor, value) in enumerate(zip(self.tensors, self.values)):
             if value is not None:
                 self.kept[index] = tensor.detach().clone()
@@ -83,16 +93,6 @@ class CopiedIn:
             if kept is not None:
                 tensor.copy_(kept)
         self.kept = [None] * len(self.tensors)
-
-    @contextmanager
-    def own_data(self) -> Iterator[None]:
-        """Inside, the tensors hold their own values (what is written into them is kept); afterwards the
-        values again."""
-        self.restore()
-        try:
-            yield
-        finally:
-            self._apply()
 
 
 class GlobalBuffers:

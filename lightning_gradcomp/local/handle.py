@@ -46,6 +46,12 @@ from lightning_gradcomp.ddp.checkpoint import (
 from lightning_gradcomp.ddp.handle import GradCompHandle
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
+from lightning_gradcomp.local.fault_tolerance import (
+    FaultTolerance,
+    FaultTolerantLoop,
+    MembershipFigures,
+    torchft_module,
+)
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 
 
@@ -68,6 +74,12 @@ class LocalUpdateHandle(GradCompHandle):
         #: whether a DistributedDataParallel wrapper of the model made later is still to be refused (at the
         #: first step; :func:`local_updates`: the model must not be driven through DDP)
         self._wrappers_checked = not refuse_ddp
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Inner iterations counted so far: the position in the schedule (a group that joined a running
+        fault-tolerant job starts from its peers')."""
+        return self.loop.outer.optimizer_steps
 
     def count_optimizer_steps(self, optimizer: Optimizer) -> None:
         """Count an iteration whenever ``optimizer`` steps (``Optimizer.register_step_post_hook``), so that a
@@ -186,6 +198,35 @@ class LocalUpdateHandle(GradCompHandle):
         return dist.get_rank(group), dist.get_world_size(group)
 
 
+class FaultTolerantHandle(LocalUpdateHandle):
+    """:class:`LocalUpdateHandle` of a replica group under torchft (``local_updates(..., fault_tolerance=...)``):
+    its checkpoint and summary are this group's own; :attr:`fault_tolerance` holds the quorums' figures."""
+
+    loop: FaultTolerantLoop
+
+    @property
+    def fault_tolerance(self) -> MembershipFigures:
+        """Participants per synchronisation, commits, rollbacks, heals, seconds waiting for quorums."""
+        return self.loop.membership.figures
+
+    def summary(self, network: Optional[Any] = None) -> str:
+        return f"{super().summary(network)}\n{self.fault_tolerance.describe()}"
+
+    def _summary_group(self) -> Optional[dist.ProcessGroup]:
+        return None  # this job alone: the groups' processes do not all-reduce outside a synchronisation
+
+    def _exchange_workers(self) -> int:
+        return self.loop.driver.world_size
+
+    def _entry_position(self) -> tuple[int, int]:
+        return dist.get_rank(), dist.get_world_size()
+
+    def close(self) -> None:
+        """Stop counting steps and leave the quorum (the other groups go on)."""
+        super().close()
+        self.loop.shutdown()
+
+
 def local_updates(
     model: torch.nn.Module,
     optimizers: Union[Optimizer, Sequence[Optimizer]],
@@ -204,6 +245,7 @@ def local_updates(
     telemetry: bool = False,
     timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
     global_device: Optional[Union[str, torch.device]] = None,
+    fault_tolerance: Optional[FaultTolerance] = None,
 ) -> LocalUpdateHandle:
     """Train ``model`` with local updates on this rank of ``group`` (default: the world).
 
@@ -229,6 +271,10 @@ def local_updates(
         global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
             device) or ``"cpu"`` (host memory, pinned: 2-3x the model's bytes kept off the accelerator, at
             the price of a copy each way per synchronisation).
+        fault_tolerance: a :class:`~lightning_gradcomp.local.fault_tolerance.FaultTolerance`: this job is one
+            replica group (one process; ``torch.distributed`` initialised on it alone) of a job that survives
+            lost groups: the synchronisations go through torchft's lighthouse and process group (needs the
+            ``ft`` extra); ``fragments=1`` and ``delay=0``.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
@@ -240,12 +286,41 @@ def local_updates(
     config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     timeout = check_checkpoint_timeout(timeout)
     refuse_gradient_all_reduce(model)
+    if fault_tolerance is not None:
+        return _fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
+                               min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
+                               group=group, global_device=global_device)
     broadcast_from_first_rank(model, group)
     handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
                     min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True,
                     global_device=check_global_device(global_device))
     handle.hook_state.telemetry = check_bool(telemetry, "telemetry")
     handle.checkpoint_group = checkpoint_group(group, timeout)
+    if optimizers:
+        handle.count_optimizer_steps(optimizers[0])
+    return handle
+
+
+def _fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], config: LocalUpdates,
+                    compressor: Union[Compressor, str], fault_tolerance: Any, *, error_feedback: Optional[bool],
+                    min_compress_numel: int, seed: int, telemetry: bool, timeout: timedelta,
+                    group: Optional[dist.ProcessGroup], global_device: Optional[Any]) -> FaultTolerantHandle:
+    """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`)."""
+    if not isinstance(fault_tolerance, FaultTolerance):
+        raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
+                         f"{fault_tolerance!r}")
+    if group is not None or global_device is not None:
+        raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
+                         "group=None and global_device=None")
+    torchft_module()
+    device = next(model.parameters()).device
+    names = {id(p): name for name, p in model.named_parameters()}
+    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
+                                   min_compress_numel=min_compress_numel, seed=seed, exchange_thread=False, device=device)
+    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    loop = FaultTolerantLoop(model, config, hook_state, fault_tolerance)
+    handle = FaultTolerantHandle(loop, optimizers, device)
+    handle.checkpoint_group = checkpoint_group(None, timeout)
     if optimizers:
         handle.count_optimizer_steps(optimizers[0])
     return handle

@@ -1,0 +1,292 @@
+"""Fault-tolerant local updates: torchft as the membership layer under the outer loop.
+
+Each replica group is an ordinary job of its own (here: one process); torchft's lighthouse, started by the
+user, forms a *quorum* of the groups present at every synchronisation, and torchft's reconfigurable process
+group joins them. One synchronisation (DiLoCo's outer step, Douillard et al. 2023, Algorithm 1)::
+
+    quorum      = lighthouse(groups alive)            # a group that died is dropped after the heartbeat timeout;
+                                                      # one that (re)joins heals: θ_global, the outer optimizer's
+                                                      # state and the schedule position from a live peer
+    Δ̄           = (1/|P|) Σ_{w∈P} C_w(Δ_w)            # the exchange engine over torchft's group, P the participants
+    commit      = every group's exchange succeeded     # torchft's should_commit
+    θ_global   ← OuterOpt(θ_global, Δ̄)  if commit     # else rolled back: every group restarts from the unchanged
+                                                      # θ_global, its residuals from zero; the next window retries
+
+A group that leaves takes its error-feedback residuals and compressor state with it; a group that joins
+starts with fresh ones. The sums and rescaling are the engine's, so every compressor works. Torchft's own
+``DiLoCo`` ends bit for bit where ours does without faults (``tests/test_torchft_diloco.py``).
+
+torchft is an optional dependency (``pip install "lightning-gradcomp[ft]"``): imported here only when a
+:class:`FaultTolerance` is used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver
+from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync
+
+#: the command the refusal without torchft names
+INSTALL = 'pip install "lightning-gradcomp[ft]"  (or: pip install torchft)'
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Run the outer synchronisations of local updates through torchft, so that the job survives a lost
+    replica group.
+
+    Args:
+        lighthouse: the lighthouse's address, ``"http://host:port"`` (default: the ``TORCHFT_LIGHTHOUSE``
+            environment variable, as torchft's own scripts read it). Start it first:
+            ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``.
+        replica_id: this replica group's name, unique among the groups (default: ``REPLICA_GROUP_ID`` from
+            the environment, else the host name and process id). A replacement may reuse a dead group's name.
+        timeout: seconds a collective, a checkpoint transfer or a commit may take.
+        quorum_timeout: seconds a synchronisation waits for the quorum to form.
+        connect_timeout: seconds to reach the lighthouse and the peers' managers.
+    """
+
+    lighthouse: Optional[str] = None
+    replica_id: Optional[str] = None
+    timeout: float = 60.0
+    quorum_timeout: float = 60.0
+    connect_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "quorum_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`FaultTolerance.{name}` must be a number of seconds > 0, got {value!r}")
+        address = self.address
+        if not address.startswith(("http://", "https://")):
+            raise ValueError(f"`FaultTolerance.lighthouse` must be the lighthouse's address 'http://host:port' "
+                             f"(or set TORCHFT_LIGHTHOUSE), got {address!r}")
+
+    @property
+    def address(self) -> str:
+        """The lighthouse's address: :attr:`lighthouse`, else ``TORCHFT_LIGHTHOUSE``."""
+        address = self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not address:
+            raise ValueError("FaultTolerance: no lighthouse address; pass FaultTolerance(lighthouse='http://host:port') "
+                             "or set TORCHFT_LIGHTHOUSE, after starting `torchft_lighthouse --min_replicas 1`")
+        return address
+
+    @property
+    def group_name(self) -> str:
+        return self.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{os.uname().nodename}-{os.getpid()}"
+
+
+def torchft_module() -> Any:
+    """``torchft``, or a ``ValueError`` with the install command."""
+    try:
+        import torchft
+    except ImportError as error:
+        raise ValueError(f"gradcomp: fault_tolerance needs torchft, which is not installed: {INSTALL}") from error
+    return torchft
+
+
+@dataclass
+class MembershipFigures:
+    """What fault tolerance did, for telemetry and the summary."""
+
+    #: participants of each quorum this group took part in (its join, then every synchronisation)
+    participants: list[int] = field(default_factory=list)
+    commits: int = 0
+    rollbacks: int = 0
+    #: seconds spent waiting for quorums (a lost group's heartbeat timeout shows here)
+    quorum_seconds: float = 0.0
+    #: synchronisations at which this group healed from a peer
+    heals: int = 0
+    #: quorums with fewer participants than the one before (groups left)
+    departures: int = 0
+
+    def describe(self) -> str:
+        counts = self.participants or [0]
+        return (f"fault tolerance: {self.commits + self.rollbacks} synchronisations, {self.commits} committed, "
+                f"{self.rollbacks} rolled back; replica groups per quorum {min(counts)}-{max(counts)} (last "
+                f"{counts[-1]}), fewer than before {self.departures} time(s); this group healed {self.heals} time(s); "
+                f"{self.quorum_seconds:.1f} s waiting for quorums")
+
+
+class Membership:
+    """torchft's ``Manager`` for one replica group of one process: the quorum at each synchronisation, the
+    reconfigured process group between the groups, the commit, and the state a joining group receives."""
+
+    def __init__(self, config: FaultTolerance, state_dict: Callable[[], dict[str, Any]],
+                 load_state_dict: Callable[[dict[str, Any]], None]) -> None:
+        torchft = torchft_module()
+        if dist.get_world_size() != 1:
+            raise ValueError(f"gradcomp: fault_tolerance takes replica groups of one process each (this job has "
+                             f"{dist.get_world_size()}); start one job per replica group")
+        self.config = config
+        self.figures = MembershipFigures()
+        self.group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config.timeout))
+        store = _store_address()
+        self.manager = torchft.Manager(
+            pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=load_state_dict,
+            state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1], rank=0,
+            world_size=1, lighthouse_addr=config.address, timeout=timedelta(seconds=config.timeout),
+            quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timedelta(seconds=config.connect_timeout))
+        self._last_participants = 0
+
+    def quorum(self) -> tuple[Any, int]:
+        """Join the quorum of this synchronisation (heals this group first if it is behind); the process group
+        between the groups and the number of participants."""
+        began = time.perf_counter()
+        step_before = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # the lighthouse unreachable, or no quorum in time
+            raise RuntimeError(f"gradcomp: no quorum from the torchft lighthouse at {self.config.address} within "
+                               f"{self.config.quorum_timeout:g} s ({error}); is `torchft_lighthouse` running there, "
+                               "and reachable from this host?") from error
+        self.figures.quorum_seconds += time.perf_counter() - began
+        if self.manager.current_step() != step_before:
+            self.figures.heals += 1
+        participants = self.manager.num_participants()
+        if self._last_participants and participants < self._last_participants:
+            self.figures.departures += 1
+        self._last_participants = participants
+        self.figures.participants.append(participants)
+        return getattr(self.group, "_pg", None), participants
+
+    def report_error(self, error: BaseException) -> None:
+        self.manager.report_error(error)
+
+    def should_commit(self) -> bool:
+        committed = self.manager.should_commit()
+        if committed:
+            self.figures.commits += 1
+        else:
+            self.figures.rollbacks += 1
+        return committed
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _store_address() -> tuple[str, int]:
+    """The replica group's own store (torch.distributed's, as torchrun's ``MASTER_ADDR``/``MASTER_PORT``)."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        raise ValueError("gradcomp: fault_tolerance uses the replica group's torch.distributed store: set MASTER_ADDR and "
+                         "MASTER_PORT (torchrun does) and init_process_group(...) before local_updates()")
+    return address, int(port)
+
+
+class FaultTolerantLoop(LocalUpdateLoop):
+    """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` whose synchronisations go through a torchft
+    quorum: the exchange runs over the quorum's process group (:class:`ReconfigurableDriver`), the average is
+    over the participants, and the outer step is applied only when every participant's exchange succeeded.
+
+    At construction the group joins: with every group at step 0 (a fresh start) the quorum only agrees on the
+    initial weights (torchft copies the first group's to the others); a group that joins a running job
+    (a replacement) receives θ_global, the outer optimizer's state and the schedule position from a live
+    peer and takes part in that synchronisation at once, with a zero outer gradient.
+
+    Args:
+        module, config, exchange: as for the loop (``exchange`` built on this job's world of one process; its
+            driver is replaced by one over torchft's group).
+        fault_tolerance: the lighthouse and this group's name.
+    """
+
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+                 fault_tolerance: FaultTolerance) -> None:
+        if config.fragment_count != 1 or config.delay != 0:
+            raise ValueError("gradcomp: fault_tolerance synchronises the whole model at once, at the end of each window; "
+                             f"allowed: fragments=1 and delay=0 (got fragments={config.fragments}, delay={config.delay})")
+        super().__init__(module, config, exchange)
+        self.driver = ReconfigurableDriver()
+        exchange.driver = self.driver
+        self.membership = Membership(fault_tolerance, self._shared_state, self._receive_state)
+        self._participants = 1
+        self._failed: Optional[BaseException] = None
+        self._quorum_taken = False
+        self._join()
+
+    def _join(self) -> None:
+        self._take_quorum()  # a group behind the others heals here (_receive_state)
+        if self.membership.manager.current_step() == 0:  # a fresh start: every group holds the first's weights
+            if self._failed is None:
+                try:  # a barrier: no group commits (its checkpoint server moves on) before every group has healed
+                    self.driver.all_reduce(torch.zeros(1))
+                except CollectiveError as error:
+                    self.membership.report_error(error)
+            self.membership.manager.should_commit()
+            self._quorum_taken = False
+            return
+        self._complete(self._begin(0, self.outer.optimizer_steps))  # a running job's synchronisation: take part
+
+    def _take_quorum(self) -> None:
+        group, self._participants = self.membership.quorum()
+        self._failed = None if group is not None else (self.membership.manager.errored() or
+                                                       RuntimeError("the quorum's process group was not configured"))
+        if group is not None:
+            self.driver.use(group)
+        self._quorum_taken = True
+
+    # ------------------------------------------------------------------ what a joining group receives
+    def _shared_state(self) -> dict[str, Any]:
+        """θ_global, the outer optimizer's state and the schedule position (torchft's checkpoint transport
+        sends it to a group that heals)."""
+        return {"outer": self.outer.state_dict(), "global_buffers": self.global_buffers.state_dict()}
+
+    @torch.no_grad()
+    def _receive_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`_shared_state`: this group continues from θ_global, with fresh residuals and
+        compressor state."""
+        self.outer.load_state_dict(state["outer"])
+        self.global_buffers.load_state_dict(state.get("global_buffers"))
+        self.adopt_global()
+        self.exchange.memory.clear()
+
+    # ------------------------------------------------------------------ a synchronisation
+    @torch.no_grad()
+    def _start(self, fragment: int, merge_at: int) -> PendingSync:
+        if not self._quorum_taken:
+            self._take_quorum()
+        self._quorum_taken = False
+        if self._failed is None:
+            try:
+                return super()._start(fragment, merge_at)
+            except CollectiveError as error:  # a group died during the exchange: every group rolls back
+                self._failed = error
+                self.membership.report_error(error)
+        pending = PendingSync(fragment, merge_at, [])
+        self.pending = [p for p in self.pending if p.fragment != fragment] + [pending]
+        return pending
+
+    @torch.no_grad()
+    def _merge(self, pending: PendingSync) -> None:
+        committed = self.membership.should_commit()  # every group votes, a failed one says no
+        if committed and self._failed is None:
+            scale = self.driver.world_size / self._participants  # the engine averaged over the group's size
+            if scale != 1.0:
+                torch._foreach_mul_(pending.averaged, scale)
+            super()._merge(pending)
+            return
+        self.pending.remove(pending)
+        reason = self._failed or "another replica group failed"
+        warnings.warn(f"gradcomp: synchronisation {self.outer.syncs + 1} was rolled back ({reason}); every replica group "
+                      "restarts from the unchanged global parameters and this window's inner steps are dropped",
+                      RuntimeWarning, stacklevel=3)
+        self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
+        self.global_buffers.copy_into([buffer for _, buffer in self.buffers])
+        self.exchange.memory.residuals.clear()  # their last update may hold the dropped window
+        self.synced = True
+
+    def shutdown(self) -> None:
+        """Leave the quorum (the manager's server stops; the others go on without this group)."""
+        self.membership.shutdown()

@@ -1,0 +1,135 @@
+"""Fault-tolerant local updates on torchft (``local_updates(..., fault_tolerance=FaultTolerance(...))``): real
+replica groups of one process each, torchft's lighthouse on 127.0.0.1 started here; skipped without torchft (the
+``ft`` extra). A group killed inside a window: the others finish; a replacement joins and receives θ_global."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._processes import free_port, run_gloo, SCRIPTS, ScriptRun
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS, H = 40, 4
+
+
+def _start(replica: str, lighthouse: str, tmp_path: Path, compressor: str, *extra: str) -> ScriptRun:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return ScriptRun(SCRIPTS / "ft_replica.py",
+                     ["--replica", replica, "--lighthouse", lighthouse, "--port", str(free_port()), "--out",
+                      str(tmp_path / f"group{replica}-{len(list(tmp_path.glob('*')))}"), "--compressor", compressor,
+                      "--steps", str(STEPS), "--sync-every", str(H), "--step-seconds", "0.1", *extra], tmp_path, env)
+
+
+@pytest.mark.parametrize("compressor", ["none", "int8", "sparseloco"])
+def test_a_lost_group_costs_its_window_and_a_replacement_receives_theta_global(compressor: str,
+                                                                                tmp_path: Path) -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    # two groups make a quorum; a starting group is waited for up to 3 s; one silent for 1.5 s is dropped
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    try:
+        runs = [_start(str(r), lighthouse.address(), tmp_path, compressor, *(["--die-at", "10"] if r == 2 else []))
+                for r in range(3)]
+        code, output = runs[2].wait(timeout=120)  # group 2 leaves after inner step 10, inside its third window
+        assert code == 0, output[-3000:]
+        time.sleep(3.0)  # the survivors synchronise without it (a 1.5 s heartbeat timeout), then the replacement starts
+        replacement = _start("2", lighthouse.address(), tmp_path, compressor)
+        outcomes = [run.wait(timeout=180) for run in (runs[0], runs[1], replacement)]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    survivors = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("group[01]-*.pt"))]
+    (joined,) = [torch.load(path, weights_only=False) for path in tmp_path.glob("group2-*.pt")]
+    for result in survivors:  # (a group that started late joined at the first synchronisation, at step H)
+        assert result["first_step"] in (0, H) and result["syncs"] == STEPS // H and result["rollbacks"] == 0, result
+        assert result["commits"] == STEPS // H - result["first_step"] // H + (1 if result["first_step"] else 0)
+        steps = [step for step, _ in result["losses"]]
+        assert steps == list(range(result["first_step"] + 1, STEPS + 1)), "every step once, none skipped"
+        seen = result["participants"]  # the join (a group that starts late joins at the first synchronisation)
+        assert 3 in seen[:3] and 2 in seen[3:] and seen[-1] == 3, seen  # all three, two after the kill, three again
+        first = sum(loss for _, loss in result["losses"][:4]) / 4
+        last = sum(loss for _, loss in result["losses"][-4:]) / 4
+        assert last < 0.7 * first, (first, last)
+        assert f"fault tolerance: {result['commits']} synchronisations, {result['commits']} committed" in result["summary"]
+    # the replacement joined at one of the survivors' synchronisations: it held their θ_global there
+    joined_at = min(joined["global"])
+    assert 3 <= joined_at < STEPS // H and joined["heals"] == 1 and joined["first_step"] == joined_at * H
+    for result in survivors:
+        assert all(torch.equal(a, b) for a, b in zip(joined["global"][joined_at], result["global"][joined_at]))
+    # and every group ends on the same θ_global and parameters
+    for result in [*survivors[1:], joined]:
+        assert all(torch.equal(a, b) for a, b in zip(result["global"][STEPS // H], survivors[0]["global"][STEPS // H]))
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], survivors[0]["params"]))
+
+
+def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_next_one_commits(tmp_path: Path) -> None:
+    """Group 2 leaves after joining the quorum of synchronisation 3, before its exchange: the survivors' exchange
+    fails, both roll it back (θ_global unchanged, the window's steps dropped) with a warning, and synchronisation 3
+    is retried at the end of the next window without group 2; every step runs once."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    try:
+        runs = [_start(str(r), lighthouse.address(), tmp_path, "int8", *(["--die-in-sync", "3"] if r == 2 else []))
+                for r in range(3)]
+        outcomes = [run.wait(timeout=180) for run in runs]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes[:2]:
+        assert code == 0, output[-4000:]
+        assert "was rolled back" in output, output[-4000:]
+    survivors = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("group[01]-*.pt"))]
+    for result in survivors:
+        assert result["rollbacks"] == 1 and result["syncs"] == STEPS // H - 1, result["syncs"]  # one window dropped
+        steps = [step for step, _ in result["losses"]]
+        assert steps == list(range(result["first_step"] + 1, STEPS + 1))
+        # θ_global did not move at the rolled-back synchronisation: the one after it starts from synchronisation 2's
+        assert sorted(result["global"]) == list(range(result["global"] and min(result["global"]), STEPS // H))
+    assert all(torch.equal(a, b) for a, b in zip(survivors[0]["params"], survivors[1]["params"]))
+
+
+def check_refusals(rank: int, world_size: int, unreachable: str) -> None:
+    import sys
+    from torch import nn
+
+    import lightning_gradcomp
+    from lightning_gradcomp import FaultTolerance
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = sys.modules.get("torchft")
+    sys.modules["torchft"] = None  # type: ignore[assignment]  # as if not installed
+    try:
+        with pytest.raises(ValueError, match=r'pip install "lightning-gradcomp\[ft\]"'):
+            lightning_gradcomp.local_updates(model, optimizer, 4, fault_tolerance=FaultTolerance(lighthouse=unreachable))
+    finally:
+        if saved is None:
+            del sys.modules["torchft"]
+        else:
+            sys.modules["torchft"] = saved
+    with pytest.raises(ValueError, match="fragments=1 and delay=0"):
+        lightning_gradcomp.local_updates(model, optimizer, 4, fragments=2,
+                                         fault_tolerance=FaultTolerance(lighthouse=unreachable))
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=unreachable.replace(".", r"\.")):
+        lightning_gradcomp.local_updates(model, optimizer, 4, fault_tolerance=FaultTolerance(
+            lighthouse=unreachable, quorum_timeout=3, connect_timeout=2, timeout=3))
+    assert time.monotonic() - began < 30
+
+
+def test_refused_without_torchft_and_an_unreachable_lighthouse_is_named_before_training() -> None:
+    pytest.importorskip("torchft")
+    with pytest.raises(ValueError, match="lighthouse"):
+        from lightning_gradcomp import FaultTolerance
+
+        FaultTolerance(lighthouse="127.0.0.1:29510")
+    run_gloo(check_refusals, 1, f"http://127.0.0.1:{free_port()}")
