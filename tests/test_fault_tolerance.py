@@ -97,6 +97,69 @@ def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_
     assert all(torch.equal(a, b) for a, b in zip(survivors[0]["params"], survivors[1]["params"]))
 
 
+def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_with_the_others(tmp_path: Path) -> None:
+    """Three Trainers (``devices=1``), ``GradCompStrategy(local_updates=4, fault_tolerance=...)``, 40 steps: group 2
+    leaves after step 10; a replacement joins later and stops when the groups' step count reaches max_steps;
+    all end on the same weights; the figures reach the logs and the summary."""
+    pytest.importorskip("torchft")
+    import csv
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def start(replica: str, name: str, *extra: str) -> ScriptRun:
+        return ScriptRun(SCRIPTS / "ft_trainer.py", ["--replica", replica, "--lighthouse", lighthouse.address(),
+                                                      "--out", str(tmp_path / name), *extra], tmp_path, env)
+
+    try:
+        runs = [start(str(r), f"trainer{r}", *(["--die-at", "10"] if r == 2 else [])) for r in range(3)]
+        code, output = runs[2].wait(timeout=120)
+        assert code == 0, output[-3000:]
+        time.sleep(3.0)
+        replacement = start("2", "replacement")
+        outcomes = [run.wait(timeout=180) for run in (runs[0], runs[1], replacement)]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+        assert "fault tolerance:" in output and "committed" in output, output[-2000:]
+    results = [torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("trainer0", "trainer1", "replacement")]
+    for result in results:
+        assert result["optimizer_steps"] == 40 and result["syncs"] == 10 and result["rollbacks"] == 0, result
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"]))
+    assert 2 in results[0]["participants"] and results[0]["participants"][-1] == 3
+    assert results[2]["heals"] == 1 and results[2]["global_step"] < 40, "the replacement joined a running job"
+    (metrics,) = Path(results[0]["metrics_dir"]).glob("metrics.csv")
+    rows = [row for row in csv.DictReader(metrics.open()) if row.get("gradcomp/ft_participants")]
+    assert len(rows) == 10 and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
+
+
+def test_fabric_replica_groups_train_in_step_and_end_equal(tmp_path: Path) -> None:
+    """Two Fabric jobs (``devices=1``), ``GradCompFabricStrategy(local_updates=4, fault_tolerance=...)`` with
+    SparseLoCo: 5 synchronisations, every one committed with both groups, the same weights at the end."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        runs = [ScriptRun(SCRIPTS / "ft_fabric.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
+                                                     str(tmp_path / f"fabric{r}")], tmp_path, env) for r in range(2)]
+        outcomes = [run.wait(timeout=180) for run in runs]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    results = [torch.load(tmp_path / f"fabric{r}.pt", weights_only=False) for r in range(2)]
+    for result in results:
+        assert result["syncs"] == 5 and result["commits"] == 5 and result["participants"][1:] == [2] * 5, result
+        assert "fault tolerance: 5 synchronisations, 5 committed" in result["summary"]
+        assert sum(result["losses"][-4:]) < 0.7 * sum(result["losses"][:4])
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
 def check_refusals(rank: int, world_size: int, unreachable: str) -> None:
     import sys
     from torch import nn
@@ -133,3 +196,11 @@ def test_refused_without_torchft_and_an_unreachable_lighthouse_is_named_before_t
 
         FaultTolerance(lighthouse="127.0.0.1:29510")
     run_gloo(check_refusals, 1, f"http://127.0.0.1:{free_port()}")
+    from lightning_gradcomp import GradCompFabricStrategy, GradCompStrategy
+
+    ft = FaultTolerance(lighthouse="http://127.0.0.1:29510")
+    for strategy in (GradCompStrategy, GradCompFabricStrategy):
+        with pytest.raises(ValueError, match="allowed without local_updates: fault_tolerance=None"):
+            strategy(fault_tolerance=ft)
+        with pytest.raises(ValueError, match="must be None or a lightning_gradcomp.FaultTolerance"):
+            strategy(local_updates=4, fault_tolerance="http://127.0.0.1:29510")

@@ -41,6 +41,7 @@ from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
+    check_fault_tolerance,
     check_process_group_backend,
     check_start_method,
     check_timeout,
@@ -51,7 +52,8 @@ from lightning_gradcomp.lightning.options import (
 from lightning_gradcomp.lightning.options import check_clipping_after_signs, check_fit_setup
 from lightning_gradcomp.ddp.hook import exchange_failures, no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
-from lightning_gradcomp.local.handle import attach, LocalUpdateHandle
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
+from lightning_gradcomp.local.handle import attach, attach_fault_tolerant, LocalUpdateHandle
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -64,10 +66,13 @@ class GradCompFabricStrategy(DDPStrategy):
     """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Args:
-        compressor, error_feedback, min_compress_numel, seed, exchange_thread, timeout, local_updates: as
-            for :class:`~lightning_gradcomp.GradCompStrategy` (with local updates, the synchronisation runs
-            inside ``optimizer.step()`` every ``H`` steps, and ``fabric.save`` holds every rank's parameters
-            and optimizer state, so a resume inside a window continues bit for bit).
+        compressor, error_feedback, min_compress_numel, seed, exchange_thread, timeout, local_updates,
+            fault_tolerance: as for :class:`~lightning_gradcomp.GradCompStrategy` (with local updates, the
+            synchronisation runs inside ``optimizer.step()`` every ``H`` steps, and ``fabric.save`` holds every
+            rank's parameters and optimizer state, so a resume inside a window continues bit for bit; with
+            ``fault_tolerance`` this Fabric, ``devices=1``, is one replica group: loop while
+            ``fabric.strategy.gradcomp.optimizer_steps`` is below the run's length, since a group that joins a
+            running job continues from the others' step).
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
 
     One model per strategy is compressed (the first ``fabric.setup``/``setup_module``); its compression
@@ -93,6 +98,7 @@ class GradCompFabricStrategy(DDPStrategy):
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         local_updates: Optional[Union[LocalUpdates, int]] = None,
+        fault_tolerance: Optional[FaultTolerance] = None,
         **kwargs: Any,
     ) -> None:
         self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
@@ -103,11 +109,12 @@ class GradCompFabricStrategy(DDPStrategy):
                 f"GradCompFabricStrategy: {trainer_only} are options of the Trainer's GradCompStrategy only (the "
                 "hierarchical exchange, logging and the end-of-fit summary); with Fabric, print "
                 "fabric.strategy.summary() yourself. Allowed here: compressor, error_feedback, min_compress_numel, "
-                "seed, exchange_thread, timeout, local_updates and DistributedDataParallel's arguments")
+                "seed, exchange_thread, timeout, local_updates, fault_tolerance and DistributedDataParallel's arguments")
         kwargs = check_ddp_kwargs(kwargs, "GradCompFabricStrategy")
         self.local_updates = check_local_updates(local_updates)
         if self.local_updates is not None:
             kwargs = local_update_ddp_kwargs(kwargs, "none", exchange_thread)
+        self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -161,7 +168,12 @@ class GradCompFabricStrategy(DDPStrategy):
                              "set up (allowed: one fabric.setup(model, ...) per Fabric)")
         ddp = super().setup_module(module)
         options = self.options
-        if self.local_updates is not None:
+        if self.fault_tolerance is not None:  # this Fabric is one replica group; the quorum is taken now
+            self.gradcomp = attach_fault_tolerant(module, [], self.local_updates, options.compressor,
+                                                  self.fault_tolerance, error_feedback=options.error_feedback,
+                                                  min_compress_numel=options.min_compress_numel, seed=options.seed)
+            ddp.register_comm_hook(None, no_communication_hook)
+        elif self.local_updates is not None:
             self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
                                    options.min_compress_numel, options.seed, group=ddp.process_group)
             ddp.register_comm_hook(None, no_communication_hook)

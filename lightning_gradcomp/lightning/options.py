@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, torchft_module
 
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
@@ -179,3 +181,16 @@ def local_update_ddp_kwargs(kwargs: dict[str, Any], hierarchy: str, exchange_thr
                          "(the default under local updates) or unset")
     # buffers are made equal once, when DDP wraps the model, and never in forward
     return {**kwargs, _NO_FORWARD_BUFFER_SYNC: False}
+
+
+def check_fault_tolerance(value: Any, local_updates: Optional[LocalUpdates]) -> Optional[FaultTolerance]:
+    """``None``, or a :class:`FaultTolerance` with ``local_updates`` (torchft installed)."""
+    if value is None:
+        return None
+    if not isinstance(value, FaultTolerance):
+        raise ValueError(f"`fault_tolerance` must be None or a lightning_gradcomp.FaultTolerance(...), got {value!r}")
+    if local_updates is None:
+        raise ValueError("`fault_tolerance` runs the synchronisations of local updates through torchft; allowed "
+                         "without local_updates: fault_tolerance=None")
+    torchft_module()
+    return value

@@ -52,10 +52,17 @@ def log_mean_over_ranks(trainer: Any, stats: StepStats, device: torch.device) ->
 def log_at_synchronisations(trainer: Any, stats: StepStats, loop: Any) -> None:
     """Under local updates nothing crosses the network between synchronisations, so no all-reduce of the
     figures either: this rank's ``stats`` and ``gradcomp/outer_grad_norm`` are logged after each optimizer
-    step that merged a synchronisation (the same on every rank for fixed-size compressors)."""
+    step that merged a synchronisation (the same on every rank for fixed-size compressors); under fault
+    tolerance also ``gradcomp/ft_participants``, ``ft_commits``, ``ft_rollbacks`` and ``ft_quorum_seconds``."""
     if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0 or not loop.synced:
         return
     metrics = stats.metrics()
     metrics["gradcomp/outer_grad_norm"] = loop.outer.last_norm
+    membership = getattr(loop, "membership", None)  # fault tolerance: the quorum of this synchronisation
+    if membership is not None:
+        figures = membership.figures
+        metrics.update({"gradcomp/ft_participants": figures.participants[-1] if figures.participants else 0,
+                        "gradcomp/ft_commits": figures.commits, "gradcomp/ft_rollbacks": figures.rollbacks,
+                        "gradcomp/ft_quorum_seconds": figures.quorum_seconds})
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)

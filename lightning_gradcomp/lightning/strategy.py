@@ -32,9 +32,11 @@ from lightning_gradcomp.lightning.step_figures import (
     log_mean_over_ranks,
 )
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
+    check_fault_tolerance,
     check_process_group_backend,
     check_start_method,
     check_timeout,
@@ -94,6 +96,11 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`. Validation,
             checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters
             (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.local_updates_fit`.
+        fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer
+            (``devices=1``) is one replica group of a job that survives lost groups; the synchronisations go
+            through torchft's lighthouse (the ``ft`` extra; see :mod:`lightning_gradcomp.local.fault_tolerance`).
+            A group that joins a running job continues from the others' step: ``fit`` stops when the outer
+            loop's step count reaches ``max_steps``.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
     """
 
@@ -122,6 +129,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         ddp_comm_wrapper: Optional[Callable] = None,
         model_averaging_period: Optional[int] = None,
         local_updates: Optional[Union[LocalUpdates, int]] = None,
+        fault_tolerance: Optional[FaultTolerance] = None,
         **kwargs: Any,
     ) -> None:
         replaced = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -143,6 +151,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         self.local_updates = check_local_updates(local_updates)
         if self.local_updates is not None:
             kwargs = local_update_ddp_kwargs(kwargs, self.hierarchy, exchange_thread)
+        self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
         process_group_backend = check_process_group_backend(process_group_backend)
         timeout = check_timeout(timeout)
         super().__init__(
@@ -217,7 +226,11 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self.local_updates is not None:
             self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device,
                                                 **{**options, "exchange_thread": self.local_updates.delay > 0})
-            self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state)
+            if self.fault_tolerance is not None:  # this Trainer is one replica group; the quorum is taken now
+                self.local_loop = FaultTolerantLoop(self.lightning_module, self.local_updates, self.hook_state,
+                                                    self.fault_tolerance)
+            else:
+                self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state)
             self._restore_pending()
             self.model.register_comm_hook(None, no_communication_hook)
             return
@@ -255,6 +268,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.local_loop is not None:
             self.local_loop.step()
+            if isinstance(self.local_loop, FaultTolerantLoop):
+                stop_at_the_groups_step(self.lightning_module.trainer, self.local_loop)
         if self.hook_state is not None:
             self._record_step(self.hook_state)
             if self.log_stats:
@@ -274,6 +289,14 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self.local_loop is not None:
             self.local_loop.close()  # count the overlapped exchanges still in flight
         print_fit_summary(self)
+        if isinstance(self.local_loop, FaultTolerantLoop) and self.is_global_zero and self.print_summary:
+            print(self.local_loop.membership.figures.describe(), flush=True)
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.local_loop, FaultTolerantLoop):
+            self.local_loop.shutdown()  # leave the quorum: the other groups go on
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -298,6 +321,13 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             local, self._pending_local = self._pending_local, None
             self.local_loop.load_state_dict(local, self.optimizers)
 
+
+
+def stop_at_the_groups_step(trainer: Any, loop: FaultTolerantLoop) -> None:
+    """A replica group that joined a running job continues from the others' step count: it stops with them,
+    when the outer loop's count reaches ``max_steps``."""
+    if trainer is not None and trainer.max_steps > 0 and loop.outer.optimizer_steps >= trainer.max_steps:
+        trainer.should_stop = True
 
 
 GradCompStrategy.register_strategies(StrategyRegistry)

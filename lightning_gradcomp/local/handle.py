@@ -287,7 +287,7 @@ def local_updates(
     timeout = check_checkpoint_timeout(timeout)
     refuse_gradient_all_reduce(model)
     if fault_tolerance is not None:
-        return _fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
+        return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
                                min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
                                group=group, global_device=global_device)
     broadcast_from_first_rank(model, group)
@@ -301,11 +301,13 @@ def local_updates(
     return handle
 
 
-def _fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], config: LocalUpdates,
-                    compressor: Union[Compressor, str], fault_tolerance: Any, *, error_feedback: Optional[bool],
-                    min_compress_numel: int, seed: int, telemetry: bool, timeout: timedelta,
-                    group: Optional[dist.ProcessGroup], global_device: Optional[Any]) -> FaultTolerantHandle:
-    """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`)."""
+def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], config: LocalUpdates,
+                          compressor: Union[Compressor, str], fault_tolerance: Any, *, error_feedback: Optional[bool] = None,
+                          min_compress_numel: int = 1024, seed: int = 0, telemetry: bool = False,
+                          timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, group: Optional[dist.ProcessGroup] = None,
+                          global_device: Optional[Any] = None) -> FaultTolerantHandle:
+    """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
+    with ``optimizers`` empty, the caller counts the steps (``handle.step()``), as the Fabric strategy does."""
     if not isinstance(fault_tolerance, FaultTolerance):
         raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
                          f"{fault_tolerance!r}")
