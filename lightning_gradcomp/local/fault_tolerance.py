@@ -230,6 +230,9 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self._complete(self._begin(0, self.outer.optimizer_steps))  # a running job's synchronisation: take part
 
     def _take_quorum(self) -> None:
+        # the last synchronisation's figures are closed among the groups that made them: bytes depend on the
+        # group's size, which the quorum may change
+        self.exchange.flush()
         group, self._participants = self.membership.quorum()
         self._failed = None if group is not None else (self.membership.manager.errored() or
                                                        RuntimeError("the quorum's process group was not configured"))
