@@ -85,3 +85,56 @@ def check_diloco_equals_torchft(rank: int, world_size: int, ports: list[int], li
     assert sorted(theirs) == sorted(ours)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _fault_tolerant_sharded_run(rank: int, ports: list[int], lighthouse: str, compressor: str) -> dict[str, torch.Tensor]:
+    """Ours under torchft: each replica group its own world of 2 ranks sharding the model, the groups joined by
+    torchft's lighthouse and process group (``local_updates(..., fault_tolerance=...)``, no mesh)."""
+    from lightning_gradcomp import FaultTolerance
+
+    replica, group_rank = divmod(rank, 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1 + replica]))
+    dist.init_process_group("gloo", rank=group_rank, world_size=2)
+    try:
+        model = _shard(_model(), init_device_mesh("cpu", (2,)))
+        inner, _ = _optimizers(model)
+        handle = lightning_gradcomp.local_updates(
+            model, inner, SYNC_EVERY, compressor, min_compress_numel=64,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True),
+            fault_tolerance=FaultTolerance(lighthouse=lighthouse, replica_id=f"group{replica}", timeout=30))
+        _train(model, inner, rank)
+        figures = handle.fault_tolerance
+        assert handle.loop.outer.syncs == STEPS // SYNC_EVERY == figures.commits and figures.participants[-1] == 2
+        shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+        handle.close()
+        return shards
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh_run(rank: int, ports: list[int], compressor: str) -> dict[str, torch.Tensor]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _shard(_model(), mesh["shard"])
+        inner, _ = _optimizers(model)
+        handle = lightning_gradcomp.local_updates(
+            model, inner, SYNC_EVERY, compressor, mesh=mesh, min_compress_numel=64,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+        _train(model, inner, rank)
+        shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+        handle.close()
+        return shards
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fault_tolerant_shards_equal_the_mesh(rank: int, world_size: int, ports: list[int], lighthouse: str) -> None:
+    """Two replica groups of 2 FSDP2 ranks joined by torchft, int8: each rank's shard ends bit for bit where the
+    same rank of a 2 x 2 mesh's ``local_updates(..., mesh=mesh)`` does (no faults: the same exchange, over
+    torchft's group instead of ``mesh["replicate"]``)."""
+    theirs = _fault_tolerant_sharded_run(rank, ports, lighthouse, "int8")
+    ours = _mesh_run(rank, ports, "int8")
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), (name, (ours[name] - theirs[name]).abs().max())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests._processes import free_port, run_processes
-from tests._torchft_workers import check_diloco_equals_torchft
+from tests._torchft_workers import check_diloco_equals_torchft, check_fault_tolerant_shards_equal_the_mesh
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,5 +18,17 @@ def test_sharded_diloco_equals_torchft_diloco() -> None:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         run_processes(check_diloco_equals_torchft, 4, [free_port() for _ in range(3)], lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+
+
+def test_fault_tolerant_replica_groups_of_fsdp2_shards_equal_the_mesh() -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
+    try:
+        run_processes(check_fault_tolerant_shards_equal_the_mesh, 4, [free_port() for _ in range(3)],
+                      lighthouse.address())
     finally:
         lighthouse.shutdown()

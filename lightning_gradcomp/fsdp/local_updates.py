@@ -48,9 +48,9 @@ from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop, torchft_module
 from lightning_gradcomp.local.global_model import CopiedIn
-from lightning_gradcomp.local.handle import check_global_device, LocalUpdateHandle
+from lightning_gradcomp.local.handle import check_global_device, FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.handle import local_updates as replicated_local_updates
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import cpu_copy
@@ -76,8 +76,10 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
     """
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
-                 shard_group: dist.ProcessGroup, global_device: Optional[Union[str, torch.device]] = None) -> None:
+                 shard_group: Optional[dist.ProcessGroup] = None,
+                 global_device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__(module, config, exchange, global_device=global_device)
+        #: the replica's processes (default: the world, a fault-tolerant replica group's job)
         self.shard_group = shard_group
         self.outer.sum_over_shards = self._sum_over_shards
 
@@ -112,6 +114,13 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
         super().load_state_dict({**state, "optimizers": []}, ())
         for optimizer, optimizer_state in zip(optimizers, saved):
             load_sharded_optimizer_state(optimizer, optimizer_state)
+
+
+class FaultTolerantShardedLoop(FaultTolerantLoop, ShardedLocalUpdateLoop):
+    """Fault-tolerant local updates of an FSDP2 model: each replica group is one job whose processes shard the
+    model (its ``torch.distributed`` world); at a synchronisation each rank exchanges its local shard with the
+    same rank of the other groups over torchft's process group, and a joining group's ranks each receive
+    their shard of θ_global and of the outer state from the same rank of a live group."""
 
 
 class ShardedLocalUpdateHandle(LocalUpdateHandle):
@@ -166,7 +175,9 @@ def local_updates(
             device) or ``"cpu"`` (host memory, pinned; as torchft's ``backup_device``).
         optimizers, sync_every, compressor, outer_optimizer, fragments, delay, alpha, overlap, error_feedback,
         min_compress_numel, seed, telemetry, timeout, fault_tolerance: as for the replicated
-            :func:`lightning_gradcomp.local.local_updates` (``fault_tolerance``: whole models only, for now); ``group`` is for a whole model only (a sharded
+            :func:`lightning_gradcomp.local.local_updates`; with ``fault_tolerance`` a sharded model is one replica
+            group sharded over this job's world (``mesh=None``), each rank exchanging its shard with the same rank
+            of the other groups over torchft's process group; ``group`` is for a whole model only (a sharded
             one's replica group is ``mesh["replicate"]``), and the checkpoint entry of a sharded model holds
             every rank of the world.
     """
@@ -178,8 +189,11 @@ def local_updates(
             min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
             global_device=global_device, fault_tolerance=fault_tolerance)
     if fault_tolerance is not None:
-        raise ValueError("gradcomp.local_updates: fault_tolerance does not yet run local updates on sharded models; "
-                         "allowed with mesh=: fault_tolerance=None")
+        return _fault_tolerant_sharded(model, optimizers, LocalUpdates(sync_every, outer_optimizer, fragments, delay,
+                                                                       alpha, overlap),
+                                       compressor, fault_tolerance, mesh, group, global_device, error_feedback=error_feedback,
+                                       min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
+                                       timeout=timeout)
     if mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
@@ -223,6 +237,38 @@ def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdate
     loop = ShardedLocalUpdateLoop(model, config, hook_state, shard_group, global_device=global_device)
     handle = ShardedLocalUpdateHandle(loop, [], device)
     handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
+    return handle
+
+
+def _fault_tolerant_sharded(model: torch.nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]],
+                            config: LocalUpdates, compressor: Union[Compressor, str], fault_tolerance: Any,
+                            mesh: Optional[DeviceMesh], group: Optional[dist.ProcessGroup], global_device: Any, *,
+                            error_feedback: Optional[bool], min_compress_numel: int, seed: int, telemetry: bool,
+                            timeout: Union[timedelta, float]) -> FaultTolerantHandle:
+    """Local updates of an FSDP2 model sharded over this job's world, one replica group under torchft."""
+    if not isinstance(fault_tolerance, FaultTolerance):
+        raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(...), got {fault_tolerance!r}")
+    if mesh is not None or group is not None or global_device is not None:
+        raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded over "
+                         "this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), and "
+                         "torchft joins the groups; allowed: mesh=None, group=None, global_device=None")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
+    torchft_module()
+    world = dist.group.WORLD
+    _check_sharding(model, world)
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    device = next(model.parameters()).device
+    names = {id(p): name for name, p in model.named_parameters()}
+    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
+                                   min_compress_numel=min_compress_numel, seed=seed, exchange_thread=False, device=device)
+    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    hook_state.layout = f"local-hsdp-ft:shard={dist.get_world_size()}"
+    loop = FaultTolerantShardedLoop(model, config, hook_state, fault_tolerance)
+    handle = FaultTolerantHandle(loop, optimizers, device)
+    handle.checkpoint_group = checkpoint_group(None, check_checkpoint_timeout(timeout))
+    if optimizers:
+        handle.count_optimizer_steps(optimizers[0])
     return handle
 
 

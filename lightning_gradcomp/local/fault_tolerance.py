@@ -120,23 +120,22 @@ class MembershipFigures:
 
 
 class Membership:
-    """torchft's ``Manager`` for one replica group of one process: the quorum at each synchronisation, the
-    reconfigured process group between the groups, the commit, and the state a joining group receives."""
+    """torchft's ``Manager`` for this process of one replica group (the group is this job's
+    ``torch.distributed`` world): the quorum at each synchronisation, the process group between the same
+    rank of every group, reconfigured as groups leave and join, the commit vote (every rank of every group),
+    and the state a joining group receives (each rank its own, from the same rank of a live group)."""
 
     def __init__(self, config: FaultTolerance, state_dict: Callable[[], dict[str, Any]],
                  load_state_dict: Callable[[dict[str, Any]], None]) -> None:
         torchft = torchft_module()
-        if dist.get_world_size() != 1:
-            raise ValueError(f"gradcomp: fault_tolerance takes replica groups of one process each (this job has "
-                             f"{dist.get_world_size()}); start one job per replica group")
         self.config = config
         self.figures = MembershipFigures()
         self.group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config.timeout))
         store = _store_address()
         self.manager = torchft.Manager(
             pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=load_state_dict,
-            state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1], rank=0,
-            world_size=1, lighthouse_addr=config.address, timeout=timedelta(seconds=config.timeout),
+            state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1],
+            rank=dist.get_rank(), world_size=dist.get_world_size(), lighthouse_addr=config.address, timeout=timedelta(seconds=config.timeout),
             quorum_timeout=timedelta(seconds=config.quorum_timeout),
             connect_timeout=timedelta(seconds=config.connect_timeout))
         self._last_participants = 0

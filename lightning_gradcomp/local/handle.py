@@ -315,6 +315,10 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
                          "group=None and global_device=None")
     torchft_module()
+    if dist.get_world_size() != 1:
+        raise ValueError(f"gradcomp: fault_tolerance on a whole model takes replica groups of one process each (this "
+                         f"job has {dist.get_world_size()}); start one job per replica group, or shard the model with "
+                         "FSDP2 over the group's processes (fully_shard), whose shards then cross between the groups")
     device = next(model.parameters()).device
     names = {id(p): name for name, p in model.named_parameters()}
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
