@@ -100,7 +100,7 @@ def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_
 def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_with_the_others(tmp_path: Path) -> None:
     """Three Trainers (``devices=1``), ``GradCompStrategy(local_updates=4, fault_tolerance=...)``, 40 steps: group 2
     leaves after step 10; a replacement joins later and stops when the groups' step count reaches max_steps;
-    all end on the same weights; the figures reach the logs and the summary."""
+    all end on the same weights; the figures reach the logs (the strategy's and CompressionMonitor's) and the summary."""
     pytest.importorskip("torchft")
     import csv
 
@@ -133,7 +133,8 @@ def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_wit
     assert results[2]["heals"] == 1 and results[2]["global_step"] < 40, "the replacement joined a running job"
     (metrics,) = Path(results[0]["metrics_dir"]).glob("metrics.csv")
     rows = [row for row in csv.DictReader(metrics.open()) if row.get("gradcomp/ft_participants")]
-    assert len(rows) == 10 and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
+    assert len({row["step"] for row in rows}) == 10 and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
+    assert any(row.get("gradcomp/comm_ms_est") for row in rows), "CompressionMonitor logs them too"
 
 
 def test_fabric_replica_groups_train_in_step_and_end_equal(tmp_path: Path) -> None:

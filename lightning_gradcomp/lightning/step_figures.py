@@ -58,11 +58,18 @@ def log_at_synchronisations(trainer: Any, stats: StepStats, loop: Any) -> None:
         return
     metrics = stats.metrics()
     metrics["gradcomp/outer_grad_norm"] = loop.outer.last_norm
-    membership = getattr(loop, "membership", None)  # fault tolerance: the quorum of this synchronisation
-    if membership is not None:
-        figures = membership.figures
-        metrics.update({"gradcomp/ft_participants": figures.participants[-1] if figures.participants else 0,
-                        "gradcomp/ft_commits": figures.commits, "gradcomp/ft_rollbacks": figures.rollbacks,
-                        "gradcomp/ft_quorum_seconds": figures.quorum_seconds})
+    metrics.update(fault_tolerance_metrics(loop))
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def fault_tolerance_metrics(loop: Any) -> dict[str, float]:
+    """Under fault tolerance (a loop with a torchft ``membership``), the figures of its quorums:
+    ``gradcomp/ft_participants`` (of the last), ``ft_commits``, ``ft_rollbacks``, ``ft_quorum_seconds``; else none."""
+    membership = getattr(loop, "membership", None)
+    if membership is None:
+        return {}
+    figures = membership.figures
+    return {"gradcomp/ft_participants": float(figures.participants[-1] if figures.participants else 0),
+            "gradcomp/ft_commits": float(figures.commits), "gradcomp/ft_rollbacks": float(figures.rollbacks),
+            "gradcomp/ft_quorum_seconds": figures.quorum_seconds}

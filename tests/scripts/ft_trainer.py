@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_gradcomp import FaultTolerance, GradCompStrategy
+from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.examples.digits import DigitsDataModule
 
 
@@ -64,7 +65,7 @@ def main() -> None:
                                                                timeout=20, quorum_timeout=60))
     csv = L.pytorch.loggers.CSVLogger(os.path.dirname(args.out), name=os.path.basename(args.out))
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, max_epochs=-1,
-                        callbacks=[steps], logger=csv, log_every_n_steps=1, enable_checkpointing=False,
+                        callbacks=[steps, CompressionMonitor(log_every_n_steps=1)], logger=csv, log_every_n_steps=1, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     module = MLP()
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
