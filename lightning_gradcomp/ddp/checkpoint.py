@@ -86,14 +86,33 @@ CHECKPOINT_TIMEOUT_ADVICE = (
     "register() / local_updates(). ({error})")
 
 
+#: the checkpoint groups made so far, by (default group, ranks, timeout): a process that registers several
+#: models (or one again) reuses the group instead of making (and keeping) one per handle
+_CHECKPOINT_GROUPS: dict[tuple[Any, Optional[tuple[int, ...]], timedelta], dist.ProcessGroup] = {}
+
+
 def checkpoint_group(group: Optional[dist.ProcessGroup], timeout: timedelta) -> dist.ProcessGroup:
     """A gloo group of ``group``'s ranks (``None``: the world) for the plain handles' checkpoint gathers,
     with its own ``timeout``: a ``state_dict()`` called on some ranks only raises
     :class:`CheckpointTimeout` after ``timeout`` instead of hanging for the training group's timeout. Every
-    rank of ``group`` calls it at the same point (``register()``, ``local_updates()``)."""
+    rank of ``group`` calls it at the same point (``register()``, ``local_updates()``). The same ranks and
+    timeout get the same group again (until :func:`forget_checkpoint_group`)."""
     world = group is None or group is dist.group.WORLD
     ranks = None if world else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=not world)
+    key = (dist.distributed_c10d._get_default_group(), None if ranks is None else tuple(ranks), timeout)
+    made = _CHECKPOINT_GROUPS.get(key)
+    if made is None:
+        made = dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=not world)
+        _CHECKPOINT_GROUPS[key] = made
+    return made
+
+
+def forget_checkpoint_group(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make :func:`checkpoint_group` build a new group instead of ``group`` (one whose gathers went out of step
+    after a timeout), or instead of any (``None``: at exit)."""
+    for key, made in list(_CHECKPOINT_GROUPS.items()):
+        if group is None or made is group:
+            del _CHECKPOINT_GROUPS[key]
 
 
 def check_checkpoint_timeout(timeout: Any) -> timedelta:

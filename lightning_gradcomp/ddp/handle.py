@@ -49,6 +49,7 @@ from lightning_gradcomp.ddp.checkpoint import (
     CheckpointTimeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
+    forget_checkpoint_group,
     gather_entry,
     restore_entry,
 )
@@ -201,6 +202,7 @@ class GradCompHandle:
             return gather_entry(self.hook_state, self.compressor, local, group=self.checkpoint_group)
         except CheckpointTimeout as error:
             self._checkpoint_broken = str(error)
+            forget_checkpoint_group(self.checkpoint_group)  # out of step: a later handle gets a new one
             raise
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

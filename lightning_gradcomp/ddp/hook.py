@@ -25,6 +25,7 @@ from torch.futures import Future
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.checkpoint import forget_checkpoint_group
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
 from lightning_gradcomp.exchange.memory import CompressionMemory
@@ -471,6 +472,7 @@ def _cleanup_at_exit() -> None:
         state.close()
         # the gather groups this package made: freed now, with the interpreter whole, not in its teardown
         state.handle_gather_group = state._cpu_group = None
+    forget_checkpoint_group()
     # A DDP model the script dropped often survives in a reference cycle (its hooks refer to it) until the
     # interpreter's own teardown, where its reducer and process group are destroyed in no safe order (the
     # same abort). Collected here, while the interpreter is whole.
