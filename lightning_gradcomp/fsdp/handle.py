@@ -109,9 +109,15 @@ class FSDPHandle(GradCompHandle):
         return None
 
     def _collective_device(self) -> torch.device:
-        if dist.get_backend() == dist.Backend.NCCL:  # the parameters may be offloaded to the CPU
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return world_collective_device()
+
+
+def world_collective_device() -> torch.device:
+    """Where the world's backend all-reduces the summary's figures: the current GPU on NCCL (the parameters
+    may be offloaded to the CPU), else the CPU."""
+    if dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def register_fsdp(

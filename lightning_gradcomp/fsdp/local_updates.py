@@ -46,11 +46,16 @@ from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.drivers import CollectiveError
-from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
+from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules, world_collective_device
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop, torchft_module
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
 from lightning_gradcomp.local.global_model import CopiedIn
-from lightning_gradcomp.local.handle import check_global_device, FaultTolerantHandle, LocalUpdateHandle
+from lightning_gradcomp.local.handle import (
+    attach_fault_tolerant,
+    check_global_device,
+    FaultTolerantHandle,
+    LocalUpdateHandle,
+)
 from lightning_gradcomp.local.handle import local_updates as replicated_local_updates
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import cpu_copy
@@ -122,6 +127,8 @@ class FaultTolerantShardedLoop(FaultTolerantLoop, ShardedLocalUpdateLoop):
     same rank of the other groups over torchft's process group, and a joining group's ranks each receive
     their shard of θ_global and of the outer state from the same rank of a live group."""
 
+    shards_the_model = True
+
 
 class ShardedLocalUpdateHandle(LocalUpdateHandle):
     """What :func:`local_updates` returns for an FSDP2 model (see
@@ -135,9 +142,7 @@ class ShardedLocalUpdateHandle(LocalUpdateHandle):
         return None
 
     def _collective_device(self) -> torch.device:
-        if dist.get_backend() == dist.Backend.NCCL:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return world_collective_device()
 
 
 def local_updates(
@@ -246,30 +251,19 @@ def _fault_tolerant_sharded(model: torch.nn.Module, optimizers: Union[Optimizer,
                             error_feedback: Optional[bool], min_compress_numel: int, seed: int, telemetry: bool,
                             timeout: Union[timedelta, float]) -> FaultTolerantHandle:
     """Local updates of an FSDP2 model sharded over this job's world, one replica group under torchft."""
-    if not isinstance(fault_tolerance, FaultTolerance):
-        raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(...), got {fault_tolerance!r}")
-    if mesh is not None or group is not None or global_device is not None:
+    if mesh is not None or group is not None:
         raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded over "
                          "this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), and "
-                         "torchft joins the groups; allowed: mesh=None, group=None, global_device=None")
+                         "torchft joins the groups; allowed: mesh=None, group=None")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
-    torchft_module()
-    world = dist.group.WORLD
-    _check_sharding(model, world)
+    _check_sharding(model, dist.group.WORLD)
     optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    device = next(model.parameters()).device
-    names = {id(p): name for name, p in model.named_parameters()}
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed, exchange_thread=False, device=device)
-    hook_state.telemetry = check_bool(telemetry, "telemetry")
-    hook_state.layout = f"local-hsdp-ft:shard={dist.get_world_size()}"
-    loop = FaultTolerantShardedLoop(model, config, hook_state, fault_tolerance)
-    handle = FaultTolerantHandle(loop, optimizers, device)
-    handle.checkpoint_group = checkpoint_group(None, check_checkpoint_timeout(timeout))
-    if optimizers:
-        handle.count_optimizer_steps(optimizers[0])
-    return handle
+    return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
+                                 min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
+                                 timeout=check_checkpoint_timeout(timeout), global_device=global_device,
+                                 loop_class=FaultTolerantShardedLoop,
+                                 layout=f"local-hsdp-ft:shard={dist.get_world_size()}")
 
 
 def _sharded_modules(model: torch.nn.Module) -> list[Any]:

@@ -201,11 +201,18 @@ class FaultTolerantLoop(LocalUpdateLoop):
         fault_tolerance: the lighthouse and this group's name.
     """
 
+    #: whether the group's processes shard the model (each exchanges its shard); else the group is one process
+    shards_the_model = False
+
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
                  fault_tolerance: FaultTolerance) -> None:
         if config.fragment_count != 1 or config.delay != 0:
             raise ValueError("gradcomp: fault_tolerance synchronises the whole model at once, at the end of each window; "
                              f"allowed: fragments=1 and delay=0 (got fragments={config.fragments}, delay={config.delay})")
+        if not self.shards_the_model and dist.get_world_size() != 1:
+            raise ValueError(f"gradcomp: fault_tolerance on a whole model takes replica groups of one process each (this "
+                             f"job has {dist.get_world_size()}); start one job per replica group (devices=1), or shard "
+                             "the model with FSDP2 over the group's processes, whose shards then cross between the groups")
         super().__init__(module, config, exchange)
         self.driver = ReconfigurableDriver()
         exchange.driver = self.driver

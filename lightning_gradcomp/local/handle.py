@@ -305,9 +305,12 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
                           compressor: Union[Compressor, str], fault_tolerance: Any, *, error_feedback: Optional[bool] = None,
                           min_compress_numel: int = 1024, seed: int = 0, telemetry: bool = False,
                           timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, group: Optional[dist.ProcessGroup] = None,
-                          global_device: Optional[Any] = None) -> FaultTolerantHandle:
+                          global_device: Optional[Any] = None, loop_class: type[FaultTolerantLoop] = FaultTolerantLoop,
+                          layout: Optional[str] = None) -> FaultTolerantHandle:
     """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
-    with ``optimizers`` empty, the caller counts the steps (``handle.step()``), as the Fabric strategy does."""
+    with ``optimizers`` empty, the caller counts the steps (``handle.step()``), as the Fabric strategy does.
+    ``loop_class``: the outer loop (an FSDP2 model's shards: the FSDP layer's); ``layout``: the exchange layout
+    its checkpoints record."""
     if not isinstance(fault_tolerance, FaultTolerance):
         raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
                          f"{fault_tolerance!r}")
@@ -315,16 +318,14 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
                          "group=None and global_device=None")
     torchft_module()
-    if dist.get_world_size() != 1:
-        raise ValueError(f"gradcomp: fault_tolerance on a whole model takes replica groups of one process each (this "
-                         f"job has {dist.get_world_size()}); start one job per replica group, or shard the model with "
-                         "FSDP2 over the group's processes (fully_shard), whose shards then cross between the groups")
     device = next(model.parameters()).device
     names = {id(p): name for name, p in model.named_parameters()}
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
                                    min_compress_numel=min_compress_numel, seed=seed, exchange_thread=False, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
-    loop = FaultTolerantLoop(model, config, hook_state, fault_tolerance)
+    if layout is not None:
+        hook_state.layout = layout
+    loop = loop_class(model, config, hook_state, fault_tolerance)
     handle = FaultTolerantHandle(loop, optimizers, device)
     handle.checkpoint_group = checkpoint_group(None, timeout)
     if optimizers:
