@@ -2,6 +2,7 @@
 
     sudo python benchmarks/torchft_side_by_side.py --rate 100mbit --steps 60 --sync-every 10
     python benchmarks/torchft_side_by_side.py --rate none --steps 60          # loopback: no root, no shaping
+    python benchmarks/torchft_side_by_side.py --rate none --inside ddp        # DDP inside each group
 
 Two replica groups of 2 processes, each sharding the byte-level text model (``examples/text.py``:
 ``ByteTransformer``, ``--width``/``--layers``) with FSDP2 over its 2 ranks. With ``--rate`` the groups are two
@@ -24,6 +25,13 @@ excluded), the bytes each rank hands to the collectives per synchronisation (tor
 ``Manager.allreduce``, ours by the exchange's own count), and the validation loss of ``θ_global`` after each
 synchronisation (nats per byte on held-out text). Needs ``pip install torchft`` (the ``ft`` extra) and the
 text (``apt-get install python3.11-doc``).
+
+``--inside ddp``: each group's 2 processes hold the whole model under ``DistributedDataParallel`` (a gradient
+all-reduce inside the group every step) instead of sharding it. torchft's ``DiLoCo`` then all-reduces the
+whole model from every rank; ours runs under fault tolerance (``local_updates(ddp, ..., fault_tolerance=...)``,
+the lighthouse in rank 0's process), each rank exchanging a row block of every parameter. Loopback only
+(``--rate none``): torchft's checkpoint transport, which our groups' first quorum uses, advertises the host
+name, and inside the benchmark's network namespaces that name resolves to each namespace's own loopback.
 """
 
 from __future__ import annotations
@@ -65,12 +73,15 @@ def _batches(rank: int, args: argparse.Namespace):
 
 
 def _model(args: argparse.Namespace, mesh):
+    """The text model, sharded over ``mesh`` (``None``: whole)."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from lightning_gradcomp.examples.text import ByteTransformer
 
     torch.manual_seed(0)
     model = ByteTransformer(context=args.context, width=args.width, layers=args.layers, heads=4)
+    if mesh is None:
+        return model
     for block in model.blocks.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -87,14 +98,15 @@ def worker(rank: int, method: str, args: argparse.Namespace) -> None:
     replica, group_rank = divmod(rank, GROUP)
     own_address = args.addresses[replica]
     lighthouse = None
-    if method.startswith("torchft") or method == "bound":  # a world per replica group
-        if method.startswith("torchft") and rank == 0:
+    inside_ddp = args.inside == "ddp"
+    if method.startswith("torchft") or method == "bound" or inside_ddp:  # a world per replica group
+        if method != "bound" and rank == 0:
             from torchft._torchft import LighthouseServer
 
             lighthouse = LighthouseServer(bind=f"[::]:{args.port + 9}", min_replicas=2)
         os.environ.update(MASTER_ADDR=own_address, MASTER_PORT=str(args.port + 1 + replica))
         dist.init_process_group("gloo", rank=group_rank, world_size=GROUP)
-        shard_mesh = init_device_mesh("cpu", (GROUP,))
+        shard_mesh = None if inside_ddp else init_device_mesh("cpu", (GROUP,))
         mesh = None
     else:
         os.environ.update(MASTER_ADDR=args.addresses[0], MASTER_PORT=str(args.port))
@@ -102,6 +114,7 @@ def worker(rank: int, method: str, args: argparse.Namespace) -> None:
         mesh = init_device_mesh("cpu", (2, GROUP), mesh_dim_names=("replicate", "shard"))
         shard_mesh = mesh["shard"]
     model = _model(args, shard_mesh)
+    forward = torch.nn.parallel.DistributedDataParallel(model) if inside_ddp else model
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     batch, (val_x, val_y) = _batches(rank, args)
     sent = [0]
@@ -133,8 +146,15 @@ def worker(rank: int, method: str, args: argparse.Namespace) -> None:
         import lightning_gradcomp
 
         outer = (functools.partial(torch.optim.SGD, lr=1.0) if method == "ours_sparseloco" else None)
-        handle = lightning_gradcomp.local_updates(model, inner, args.sync_every, OURS[method], mesh=mesh,
-                                                  outer_optimizer=outer)
+        if inside_ddp:  # a world per group, torchft between them: every rank exchanges a row block
+            fault_tolerance = lightning_gradcomp.FaultTolerance(
+                lighthouse=f"http://{args.addresses[0]}:{args.port + 9}", replica_id=f"replica{replica}", timeout=600,
+                quorum_timeout=600)
+            handle = lightning_gradcomp.local_updates(forward, inner, args.sync_every, OURS[method],
+                                                      outer_optimizer=outer, fault_tolerance=fault_tolerance)
+        else:
+            handle = lightning_gradcomp.local_updates(model, inner, args.sync_every, OURS[method], mesh=mesh,
+                                                      outer_optimizer=outer)
 
     def validate() -> float:
         with torch.no_grad():
@@ -145,7 +165,7 @@ def worker(rank: int, method: str, args: argparse.Namespace) -> None:
         x, y = batch(step)
         dist.barrier()
         began = time.perf_counter()
-        F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
+        F.cross_entropy(forward(x).reshape(-1, 256), y.reshape(-1)).backward()
         inner.step()  # the synchronisation runs from the step's hook (ours and torchft's)
         inner.zero_grad()
         train_seconds += time.perf_counter() - began
@@ -191,7 +211,7 @@ def run_method(method: str, args: argparse.Namespace, shaped: bool) -> tuple[dic
         command = [sys.executable, __file__, "--worker", str(rank), "--port", str(port), "--methods", method,
                    "--addresses", *addresses, "--out", args.out, "--steps", str(args.steps), "--sync-every",
                    str(args.sync_every), "--width", str(args.width), "--layers", str(args.layers), "--context",
-                   str(args.context), "--batch", str(args.batch), "--lr", str(args.lr)]
+                   str(args.context), "--batch", str(args.batch), "--lr", str(args.lr), "--inside", args.inside]
         if shaped:
             env["GLOO_SOCKET_IFNAME"] = NODES[node][1]
             command = ["ip", "netns", "exec", NODES[node][0], *command]
@@ -221,6 +241,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--inside", choices=["fsdp", "ddp"], default="fsdp",
+                        help="inside each group: FSDP2 shards (default) or DDP replicas (loopback only)")
     parser.add_argument("--out", default="/tmp/gradcomp_torchft")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -231,6 +253,8 @@ def main() -> None:
         worker(args.worker, args.methods[0], args)
         return
     shaped = args.rate != "none"
+    if shaped and args.inside == "ddp":
+        parser.error("--inside ddp runs on loopback only (--rate none); see the module's docstring")
     if shaped:
         from two_level_link import create_nodes
 
@@ -242,7 +266,8 @@ def main() -> None:
         print(f"{method}: {failure or json.dumps(record)}", flush=True)
     bound = results.get("bound", ({}, ""))[0].get("step_ms", float("nan"))
     torchft = results.get("torchft", ({}, ""))[0].get("step_ms", float("nan"))
-    print(f"\n# 2 replica groups x {GROUP} FSDP2 shards, gloo, 1 thread each; {args.rate} between the groups; "
+    inside = "FSDP2 shards" if args.inside == "fsdp" else "DDP processes"
+    print(f"\n# 2 replica groups x {GROUP} {inside}, gloo, 1 thread each; {args.rate} between the groups; "
           f"ByteTransformer width {args.width}, {args.layers} layers; {args.steps} inner steps, H = {args.sync_every}, "
           f"AdamW lr {args.lr}, batch {args.batch} x {args.context} bytes per rank\n")
     print("| method | ms / inner step | / bound | vs torchft | bytes / rank / sync | val loss after each sync |")

@@ -95,10 +95,10 @@ def _fault_tolerant_sharded_run(rank: int, ports: list[int], lighthouse: str, co
 
 def _mesh_run(rank: int, ports: list[int], compressor: str) -> dict[str, torch.Tensor]:
     """Ours: one world of the 4 ranks, a ("replicate", "shard") mesh, ``local_updates(..., mesh=mesh)``; a whole
-    model under fault tolerance in this job of 4 processes is refused (a replica group is one process)."""
+    model under fault tolerance on a job of 4 processes without DDP inside is refused (at the first step)."""
     import pytest
 
-    from lightning_gradcomp import FaultTolerance
+    from lightning_gradcomp.local.handle import require_gradient_all_reduce
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
     dist.init_process_group("gloo", rank=rank, world_size=4)
@@ -114,9 +114,8 @@ def _mesh_run(rank: int, ports: list[int], compressor: str) -> dict[str, torch.T
         shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
         handle.close()
         whole = nn.Linear(4, 2)
-        with pytest.raises(ValueError, match="replica groups of one process each"):
-            lightning_gradcomp.local_updates(whole, torch.optim.SGD(whole.parameters(), lr=0.1), SYNC_EVERY,
-                                             fault_tolerance=FaultTolerance(lighthouse="http://127.0.0.1:9"))
+        with pytest.raises(ValueError, match="4 processes, which must train one model: wrap it in DistributedDataParallel"):
+            require_gradient_all_reduce(whole)
         return shards
     finally:
         dist.destroy_process_group()
@@ -130,3 +129,112 @@ def check_fault_tolerant_shards_equal_the_mesh(rank: int, world_size: int, ports
     ours = _mesh_run(rank, ports, "int8")
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), (name, (ours[name] - theirs[name]).abs().max())
+
+
+def _group_batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A replica group's batch at ``step``: its two ranks' batches (DDP averages their gradients)."""
+    (x0, y0), (x1, y1) = _batch(step, 2 * replica), _batch(step, 2 * replica + 1)
+    return torch.cat([x0, x1]), torch.cat([y0, y1])
+
+
+def _ddp_group_run(rank: int, ports: list[int], lighthouse: str, compressor: str) -> dict:  # ports[1], [2]: the groups
+    """Ours under torchft with a whole model on replica groups of 2 processes, DDP inside each group: group 0
+    passes the DDP wrapper to ``local_updates``, group 1 the bare model (its wrapper made after); rank 1 of
+    each group starts from other weights (made equal at ``local_updates``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gradcomp import FaultTolerance
+
+    replica, group_rank = divmod(rank, 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[1 + replica]))
+    dist.init_process_group("gloo", rank=group_rank, world_size=2)
+    try:
+        model = _model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(group_rank)
+        inner, _ = _optimizers(model)
+        ft = FaultTolerance(lighthouse=lighthouse, replica_id=f"ddp-group{replica}", timeout=30)
+        outer = lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+        if replica == 0:
+            ddp = DistributedDataParallel(model)
+            handle = lightning_gradcomp.local_updates(ddp, inner, SYNC_EVERY, compressor, min_compress_numel=64,
+                                                      outer_optimizer=outer, fault_tolerance=ft)
+        else:
+            handle = lightning_gradcomp.local_updates(model, inner, SYNC_EVERY, compressor, min_compress_numel=64,
+                                                      outer_optimizer=outer, fault_tolerance=ft)
+            ddp = DistributedDataParallel(model)
+        for step in range(STEPS):
+            x, y = _batch(step, rank)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+        assert handle.loop.outer.syncs == STEPS // SYNC_EVERY == handle.fault_tolerance.commits
+        result = {"params": [p.detach().clone() for p in model.parameters()], "totals": handle.totals,
+                  "global": [g.detach().clone() for g in handle.loop.outer.global_params]}
+        handle.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_process_per_group_run(replica: int, port: int) -> dict:
+    """The reference: one process per group (a world of 2, replicated local updates), each on its group's
+    two batches at once."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=replica, world_size=2)
+    try:
+        model = _model()
+        inner, _ = _optimizers(model)
+        handle = lightning_gradcomp.local_updates(
+            model, inner, SYNC_EVERY, "none", min_compress_numel=64,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+        for step in range(STEPS):
+            x, y = _group_batch(step, replica)
+            nn.functional.cross_entropy(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+        result = {"params": [p.detach().clone() for p in model.parameters()], "totals": handle.totals}
+        handle.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def check_ddp_groups_split_the_exchange(rank: int, world_size: int, ports: list[int], lighthouse: str,
+                                        second_lighthouse: str) -> None:
+    """Two replica groups of 2 DDP processes joined by torchft, uncompressed: every process ends where one
+    process per group on the group's whole batch does (within float rounding: DDP averages the two halves'
+    gradients), and the group's two ranks split the bytes between groups (together one model's, as one
+    process per group sends); with int8 too, all four end equal."""
+    ours = _ddp_group_run(rank, ports, lighthouse, "none")
+    replica, group_rank = divmod(rank, 2)
+    gathered: list = [None] * 2
+    if group_rank == 0:
+        reference = _one_process_per_group_run(replica, ports[0])
+        for mine, theirs in zip(ours["params"], reference["params"]):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+        gathered[0] = reference["totals"].bytes_dense
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[4]))
+    dist.init_process_group("gloo", rank=rank, world_size=4)  # to compare the four ranks' figures
+    try:
+        figures = [None] * 4
+        dist.all_gather_object(figures, (ours["totals"].bytes_dense, gathered[0],
+                                         [p.sum().item() for p in ours["params"]]))
+    finally:
+        dist.destroy_process_group()
+    for group in (0, 1):
+        split = [figures[2 * group][0], figures[2 * group + 1][0]]
+        whole = figures[2 * group][1]
+        assert min(split) > 0.3 * whole and abs(sum(split) - whole) <= 0.01 * whole, (split, whole)
+    assert all(f[2] == figures[0][2] for f in figures), "every process of every group ends on the same weights"
+    compressed = _ddp_group_run(rank, ports[5:], second_lighthouse, "int8")  # new stores: no manager of before
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[8]))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        everyone = [None] * 4
+        dist.all_gather_object(everyone, compressed["params"])
+    finally:
+        dist.destroy_process_group()
+    for params in everyone[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params, everyone[0]))

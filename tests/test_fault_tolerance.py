@@ -133,36 +133,119 @@ def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_wit
     for result in results:
         assert result["optimizer_steps"] == STEPS and result["syncs"] == STEPS // H and result["rollbacks"] == 0, result
         assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"]))
+    assert len({result["sampler_seed"] for result in results}) == 3, "each group shuffles its own way"
     assert 2 in results[0]["participants"] and results[0]["participants"][-1] == 3
     assert results[2]["heals"] == 1 and results[2]["global_step"] < STEPS, "the replacement joined a running job"
     (metrics,) = Path(results[0]["metrics_dir"]).glob("metrics.csv")
     rows = [row for row in csv.DictReader(metrics.open()) if row.get("gradcomp/ft_participants")]
-    assert len({row["step"] for row in rows}) == STEPS // H and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
+    # a group that started after the others' first quorum joined at their first synchronisation, inside the
+    # strategy's setup (a heal, before any training step): that one is not logged
+    logged_syncs = STEPS // H - results[0]["heals"]
+    assert len({row["step"] for row in rows}) == logged_syncs and {float(row["gradcomp/ft_participants"]) for row in rows} >= {2.0, 3.0}
     assert any(row.get("gradcomp/comm_ms_est") for row in rows), "CompressionMonitor logs them too"
 
 
-def test_fabric_replica_groups_train_in_step_and_end_equal(tmp_path: Path) -> None:
-    """Two Fabric jobs (``devices=1``), ``GradCompFabricStrategy(local_updates=4, fault_tolerance=...)`` with
-    SparseLoCo: 5 synchronisations, every one committed with both groups, the same weights at the end."""
+def test_trainer_groups_of_two_ddp_processes_survive_a_lost_group_and_shuffle_their_own_data(tmp_path: Path) -> None:
+    """Two Trainers of ``devices=2`` each (DDP inside the group, the two processes splitting the outer
+    exchange): group 1 (both processes) leaves after step 10, the survivor goes on alone (``min_replicas=1``),
+    a replacement of 2 processes joins, and all four processes end on the same weights; the groups draw
+    different batches (each its own shuffling seed), though they run the same script and seed."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+
+    def start(replica: str, name: str, *extra: str) -> ScriptRun:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        return ScriptRun(SCRIPTS / "ft_trainer.py", ["--replica", replica, "--lighthouse", lighthouse.address(),
+                                                      "--out", str(tmp_path / name), "--steps", str(STEPS),
+                                                      "--step-seconds", STEP_SECONDS, "--devices", "2", *extra],
+                         tmp_path, env)
+
+    try:
+        runs = [start(str(r), f"group{r}", *(["--die-at", "10"] if r == 1 else [])) for r in range(2)]
+        code, output = runs[1].wait(timeout=120)
+        assert code == 0, output[-3000:]
+        time.sleep(2.0)
+        replacement = start("1", "replacement")
+        outcomes = [run.wait(timeout=180) for run in (runs[0], replacement)]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    names = ["group0", "group0-rank1", "replacement", "replacement-rank1"]
+    results = [torch.load(tmp_path / f"{name}.pt", weights_only=False) for name in names]
+    for result in results:
+        assert result["optimizer_steps"] == STEPS and result["syncs"] == STEPS // H and result["rollbacks"] == 0, result
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"]))
+    assert 1 in results[0]["participants"] and results[0]["participants"][-1] == 2, results[0]["participants"]
+    assert results[2]["heals"] == 1 and results[2]["global_step"] < STEPS, "the replacement joined a running job"
+    # each process of a group exchanges half of the model's rows: together one model (fp32) per synchronisation
+    sent = [result["totals"].bytes_dense for result in results]
+    model_bytes = 4 * sum(p.numel() for p in results[0]["params"])
+    assert sent[0] + sent[1] == STEPS // H * model_bytes and abs(sent[0] - sent[1]) < 0.05 * sent[0], sent
+    assert abs(sent[2] - sent[3]) < 0.05 * sent[2], sent  # (the replacement, over the synchronisations it joined)
+    # the groups shuffle with their own seeds (the same seed inside a group, whose ranks split each epoch)
+    seeds = [result["sampler_seed"] for result in results]
+    assert seeds[0] == seeds[1] != seeds[2] == seeds[3], seeds
+
+
+def test_trainer_groups_of_two_fsdp2_shards_exchange_their_shards(tmp_path: Path) -> None:
+    """Two Trainers of ``GradCompFSDPStrategy(local_updates=4, fault_tolerance=...)`` on 2 processes each (the
+    group's processes shard the model): every synchronisation committed with both groups, each rank's shard
+    equal to the same rank's of the other group at the end; the summary reports the quorums."""
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        runs = [ScriptRun(SCRIPTS / "ft_fabric.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
-                                                     str(tmp_path / f"fabric{r}")], tmp_path, env) for r in range(2)]
+        runs = [ScriptRun(SCRIPTS / "ft_trainer.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
+                                                      str(tmp_path / f"fsdp{r}"), "--steps", "24", "--step-seconds",
+                                                      "0.02", "--devices", "2", "--fsdp"], tmp_path,
+                          dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+                for r in range(2)]
         outcomes = [run.wait(timeout=180) for run in runs]
     finally:
         lighthouse.shutdown()
     for code, output in outcomes:
         assert code == 0, output[-4000:]
-    results = [torch.load(tmp_path / f"fabric{r}.pt", weights_only=False) for r in range(2)]
+        assert "fault tolerance: 6 synchronisations, 6 committed" in output, output[-3000:]
+    for rank in ("", "-rank1"):
+        first, second = (torch.load(tmp_path / f"fsdp{r}{rank}.pt", weights_only=False) for r in range(2))
+        for result in (first, second):
+            assert result["syncs"] == 6 and result["participants"][-1] == 2, result
+        assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
+        assert first["sampler_seed"] != second["sampler_seed"]
+    halves = [torch.load(tmp_path / f"fsdp0{rank}.pt", weights_only=False)["params"] for rank in ("", "-rank1")]
+    assert not all(torch.equal(a, b) for a, b in zip(*halves)), "the two ranks hold different shards"
+
+
+def test_fabric_replica_groups_train_in_step_and_end_equal(tmp_path: Path) -> None:
+    """Two Fabric jobs of ``devices=2`` (DDP inside each), ``GradCompFabricStrategy(local_updates=4,
+    fault_tolerance=...)`` with SparseLoCo (top-k of each rank's row blocks): 5 synchronisations, every one
+    committed with both groups, the same weights at the end on all four processes."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    try:
+        runs = [ScriptRun(SCRIPTS / "ft_fabric.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
+                                                     str(tmp_path / f"fabric{r}"), "--devices", "2"], tmp_path,
+                          dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+                for r in range(2)]
+        outcomes = [run.wait(timeout=180) for run in runs]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    results = [torch.load(tmp_path / name, weights_only=False)
+               for name in ("fabric0.pt", "fabric1.pt", "fabric0-rank1.pt", "fabric1-rank1.pt")]
     for result in results:
         assert result["syncs"] == 5 and result["commits"] == 5 and result["participants"][1:] == [2] * 5, result
         assert "fault tolerance: 5 synchronisations, 5 committed" in result["summary"]
         assert sum(result["losses"][-4:]) < 0.7 * sum(result["losses"][:4])
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], result["params"]))
 
 
 def check_refusals(rank: int, world_size: int, unreachable: str) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests._processes import free_port, run_processes
-from tests._torchft_workers import check_diloco_equals_torchft, check_fault_tolerant_shards_equal_the_mesh
+from tests._torchft_workers import (
+    check_ddp_groups_split_the_exchange,
+    check_diloco_equals_torchft,
+    check_fault_tolerant_shards_equal_the_mesh,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,3 +36,16 @@ def test_fault_tolerant_replica_groups_of_fsdp2_shards_equal_the_mesh() -> None:
                       lighthouse.address())
     finally:
         lighthouse.shutdown()
+
+
+def test_fault_tolerant_replica_groups_of_ddp_processes_split_the_exchange() -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouses = [LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000) for _ in range(2)]
+    try:
+        run_processes(check_ddp_groups_split_the_exchange, 4, [free_port() for _ in range(9)],
+                      *[lighthouse.address() for lighthouse in lighthouses])
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()

@@ -17,6 +17,7 @@ Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subcl
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -70,7 +71,7 @@ class GradCompFabricStrategy(DDPStrategy):
             fault_tolerance: as for :class:`~lightning_gradcomp.GradCompStrategy` (with local updates, the
             synchronisation runs inside ``optimizer.step()`` every ``H`` steps, and ``fabric.save`` holds every
             rank's parameters and optimizer state, so a resume inside a window continues bit for bit; with
-            ``fault_tolerance`` this Fabric, ``devices=1``, is one replica group: loop while
+            ``fault_tolerance`` this Fabric is one replica group (several devices: DDP inside it): loop while
             ``fabric.strategy.gradcomp.optimizer_steps`` is below the run's length, since a group that joins a
             running job continues from the others' step).
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
@@ -160,6 +161,17 @@ class GradCompFabricStrategy(DDPStrategy):
             description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
         )
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's; under fault tolerance each replica group shuffles with its own seed
+        (:meth:`~lightning_gradcomp.FaultTolerance.data_seed`), so that groups started from the same script
+        do not train on the same batches."""
+        kwargs = super().distributed_sampler_kwargs
+        if self.fault_tolerance is not None:
+            kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return kwargs
+
     # ------------------------------------------------------------------ setup
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -172,7 +184,8 @@ class GradCompFabricStrategy(DDPStrategy):
             self.gradcomp = attach_fault_tolerant(module, [], self.local_updates, options.compressor,
                                                   self.fault_tolerance, error_feedback=options.error_feedback,
                                                   min_compress_numel=options.min_compress_numel, seed=options.seed)
-            ddp.register_comm_hook(None, no_communication_hook)
+            if self.world_size == 1:  # else DDP's own all-reduce keeps the group's processes equal
+                ddp.register_comm_hook(None, no_communication_hook)
         elif self.local_updates is not None:
             self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
                                    options.min_compress_numel, options.seed, group=ddp.process_group)

@@ -23,6 +23,7 @@ rank's exchange state under ``checkpoint["gradcomp"]``.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,9 +47,10 @@ from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures
 from lightning_gradcomp.fsdp.handle import FSDPHandle, MESH_DIMS, register_fsdp
-from lightning_gradcomp.fsdp.local_updates import attach_sharded, ShardedLocalUpdateHandle
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
+from lightning_gradcomp.fsdp.local_updates import attach_fault_tolerant_sharded, attach_sharded
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.options import (
+    check_fault_tolerance,
     check_fit_setup,
     check_gradient_clipping,
     check_process_group_backend,
@@ -62,7 +64,8 @@ from lightning_gradcomp.lightning.step_figures import (
 )
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
-from lightning_gradcomp.local.handle import check_global_device
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
+from lightning_gradcomp.local.handle import check_global_device, FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -80,7 +83,7 @@ REFUSED_OPTIONS = {
 
 #: The options the strategy takes, for the message about an unknown one.
 ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed", "log_stats", "print_summary",
-                   "local_updates", "global_device", "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
+                   "local_updates", "global_device", "fault_tolerance", "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
                    "save_distributed_checkpoint", "process_group_backend", "timeout")
 
 #: The LightningModule's step methods, called through the module's ``forward`` when it is itself an FSDP module.
@@ -117,6 +120,11 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             the end of ``fit`` see ``θ_global`` (see :mod:`lightning_gradcomp.lightning.local_updates_fit`).
         global_device: with ``local_updates``, where each rank's shard of ``θ_global`` and of the outer
             optimizer's state lives: ``None`` (the parameters' device) or ``"cpu"`` (host memory).
+        fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer is
+            one replica group, its processes sharding the model (``shard_size`` = the world size), of a job that
+            survives lost groups; each rank exchanges its shard with the same rank of the other groups through
+            torchft (see :mod:`lightning_gradcomp.local.fault_tolerance`), and ``fit`` stops when the groups'
+            step count reaches ``max_steps``.
         shard_size: the processes of one replica (the ``"shard"`` dimension); the world size must be a
             multiple of it, and the number of replicas is ``world_size // shard_size``. ``None`` (default):
             the devices per node (one replica per node).
@@ -153,6 +161,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         print_summary: bool = True,
         local_updates: Optional[Union[LocalUpdates, int]] = None,
         global_device: Optional[Union[str, torch.device]] = None,
+        fault_tolerance: Optional[FaultTolerance] = None,
         shard_size: Optional[int] = None,
         auto_wrap_policy: Optional[Iterable[Union[type[nn.Module], str]]] = None,
         mp_policy: Optional[Any] = None,
@@ -169,6 +178,10 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             raise ValueError("`global_device` places θ_global under local updates; allowed without local_updates: "
                              "global_device=None")
         self.global_device = check_global_device(global_device)
+        self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
+        if self.fault_tolerance is not None and self.global_device is not None:
+            raise ValueError("fault_tolerance keeps θ_global beside the shards it heals from; allowed with "
+                             "fault_tolerance: global_device=None")
         self.shard_size = check_shard_size(shard_size)
         self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
         self.fully_shard_kwargs = check_fully_shard_options(self.auto_wrap_policy, mp_policy, reshard_after_forward)
@@ -178,7 +191,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             timeout=check_timeout(timeout),
         )
         #: the exchange between the replicas (built when ``fit`` sets the model up)
-        self.gradcomp: Optional[Union[FSDPHandle, ShardedLocalUpdateHandle]] = None
+        self.gradcomp: Optional[Union[FSDPHandle, LocalUpdateHandle]] = None
         self.step_stats = StepStats()
 
     # ------------------------------------------------------------------ the exchange, as the callbacks see it
@@ -191,7 +204,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     @property
     def outer_loop(self) -> Optional[ScheduledSyncs]:
         """The outer loop of local updates on the shards (``None``: compressed HSDP every step)."""
-        return self.gradcomp.loop if isinstance(self.gradcomp, ShardedLocalUpdateHandle) else None
+        return self.gradcomp.loop if isinstance(self.gradcomp, LocalUpdateHandle) else None
 
     @property
     def local_loop(self) -> Optional[ScheduledSyncs]:
@@ -200,7 +213,10 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
 
     @property
     def compression_workers(self) -> int:
-        """The processes that exchange one shard compressed: the number of replicas."""
+        """The processes that exchange one shard compressed: the number of replicas (under fault tolerance:
+        the replica groups of the last quorum)."""
+        if isinstance(self.gradcomp, FaultTolerantHandle):
+            return self.gradcomp.loop.driver.world_size
         return self.device_mesh["replicate"].size()
 
     # ------------------------------------------------------------------ registration
@@ -220,10 +236,17 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         LightningModule (``self.device_mesh`` in ``configure_model``)."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        shard_size = self.shard_size or self.num_processes
+        if self.fault_tolerance is not None:  # this job is one replica group, sharded over all its processes
+            if self.shard_size not in (None, self.world_size):
+                raise ValueError(f"GradCompFSDPStrategy(fault_tolerance=...): this job is one replica group, its "
+                                 f"{self.world_size} processes shard the model and torchft joins the groups; allowed: "
+                                 f"shard_size=None or {self.world_size}")
+            shard_size = self.world_size
+        else:
+            shard_size = self.shard_size or self.num_processes
         replicas = check_world_divides(self.world_size, shard_size, self.shard_size is None)
         self._data_parallel_size, self._tensor_parallel_size = replicas, shard_size
-        if replicas == 1:
+        if replicas == 1 and self.fault_tolerance is None:
             rank_zero_warn(f"GradCompFSDPStrategy: one replica of {shard_size} processes: nothing crosses between "
                            "replicas, so compression only adds error; set shard_size= to a divisor of the world size "
                            f"({self.world_size}) below it to have several replicas")
@@ -236,8 +259,13 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process its own share of the data (replicas and shards alike are data parallel)."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """Every process its own share of the data (replicas and shards alike are data parallel); under
+        fault tolerance each replica group shuffles with its own seed (see
+        :meth:`~lightning_gradcomp.FaultTolerance.data_seed`)."""
+        kwargs: dict[str, Any] = {"num_replicas": self.world_size, "rank": self.global_rank}
+        if self.fault_tolerance is not None:
+            kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return kwargs
 
     # ------------------------------------------------------------------ sharding and the exchange
     @override
@@ -266,7 +294,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if isinstance(self.gradcomp, ShardedLocalUpdateHandle):
+            if isinstance(self.gradcomp, LocalUpdateHandle):
                 self.gradcomp.optimizers = list(self.optimizers)  # their per-rank states go into checkpoints
             else:
                 self._check_optimizers(trainer)
@@ -278,7 +306,10 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             self.gradcomp.close()
         options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
                    "seed": self.seed, "timeout": self._timeout or DEFAULT_CHECKPOINT_TIMEOUT}
-        if self.local_updates is not None:
+        if self.fault_tolerance is not None:  # this job is one replica group; the quorum is taken now
+            self.gradcomp = attach_fault_tolerant_sharded(self.lightning_module, [], self.local_updates, self.compressor,
+                                                          self.fault_tolerance, **options)
+        elif self.local_updates is not None:
             self.gradcomp = attach_sharded(self.lightning_module, self.device_mesh, self.local_updates, self.compressor,
                                            global_device=self.global_device, **options)
         else:
@@ -354,6 +385,8 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         loop = self.outer_loop
         if loop is not None:
             loop.step()
+            if isinstance(loop, FaultTolerantLoop):
+                stop_at_the_groups_step(self.lightning_module.trainer, loop)
         if self.gradcomp is not None:
             self._record_step(self.gradcomp.hook_state)
             if self.log_stats:
@@ -367,9 +400,11 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     @override
     def on_train_end(self) -> None:
         super().on_train_end()  # under local updates: the final synchronisation, if no callback ran it
-        if isinstance(self.gradcomp, ShardedLocalUpdateHandle):
+        if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.loop.close()  # count the overlapped exchanges still in flight
         print_fit_summary(self)
+        if isinstance(self.gradcomp, FaultTolerantHandle) and self.is_global_zero and self.print_summary:
+            print(self.gradcomp.fault_tolerance.describe(), flush=True)
 
     @override
     def teardown(self) -> None:

@@ -154,3 +154,10 @@ def _copied(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_copied(item) for item in value)
     return value
+
+
+def stop_at_the_groups_step(trainer: Any, loop: Any) -> None:
+    """A replica group that joined a running job continues from the others' step count: it stops with them,
+    when the outer loop's count reaches ``max_steps``."""
+    if trainer is not None and trainer.max_steps > 0 and loop.outer.optimizer_steps >= trainer.max_steps:
+        trainer.should_stop = True

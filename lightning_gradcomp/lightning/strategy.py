@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
@@ -25,7 +26,7 @@ from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.step_figures import (
     KeepsBatchFigures,
     log_at_synchronisations,
@@ -96,9 +97,11 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`. Validation,
             checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters
             (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.local_updates_fit`.
-        fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer
-            (``devices=1``) is one replica group of a job that survives lost groups; the synchronisations go
-            through torchft's lighthouse (the ``ft`` extra; see :mod:`lightning_gradcomp.local.fault_tolerance`).
+        fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer is
+            one replica group of a job that survives lost groups; the synchronisations go through torchft's
+            lighthouse (the ``ft`` extra; see :mod:`lightning_gradcomp.local.fault_tolerance`). With several
+            devices, DDP all-reduces the gradients inside the group every step (uncompressed) and the devices
+            split the outer exchange between the groups.
             A group that joins a running job continues from the others' step: ``fit`` stops when the outer
             loop's step count reaches ``max_steps``.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
@@ -187,6 +190,17 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     def outer_loop(self) -> Optional[ScheduledSyncs]:
         return self.local_loop
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's; under fault tolerance each replica group shuffles with its own seed
+        (:meth:`~lightning_gradcomp.FaultTolerance.data_seed`), so that groups started from the same script
+        do not train on the same batches."""
+        kwargs = super().distributed_sampler_kwargs
+        if self.fault_tolerance is not None:
+            kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return kwargs
+
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
@@ -232,7 +246,9 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             else:
                 self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state)
             self._restore_pending()
-            self.model.register_comm_hook(None, no_communication_hook)
+            if self.fault_tolerance is None or self.world_size == 1:
+                self.model.register_comm_hook(None, no_communication_hook)
+            # else: a replica group of several processes, kept equal by DDP's own all-reduce inside the group
             return
         if self.hierarchy == "node":
             if self.num_nodes == 1:
@@ -321,13 +337,6 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             local, self._pending_local = self._pending_local, None
             self.local_loop.load_state_dict(local, self.optimizers)
 
-
-
-def stop_at_the_groups_step(trainer: Any, loop: FaultTolerantLoop) -> None:
-    """A replica group that joined a running job continues from the others' step count: it stops with them,
-    when the outer loop's count reaches ``max_steps``."""
-    if trainer is not None and trainer.max_steps > 0 and loop.outer.optimizer_steps >= trainer.max_steps:
-        trainer.should_stop = True
 
 
 GradCompStrategy.register_strategies(StrategyRegistry)

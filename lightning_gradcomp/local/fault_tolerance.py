@@ -1,6 +1,7 @@
 """Fault-tolerant local updates: torchft as the membership layer under the outer loop.
 
-Each replica group is an ordinary job of its own (here: one process); torchft's lighthouse, started by the
+Each replica group is an ordinary job of its own (one process, or several: DDP or FSDP2 inside the group,
+each rank exchanging with the same rank of the other groups); torchft's lighthouse, started by the
 user, forms a *quorum* of the groups present at every synchronisation, and torchft's reconfigurable process
 group joins them. One synchronisation (DiLoCo's outer step, Douillard et al. 2023, Algorithm 1)::
 
@@ -12,6 +13,12 @@ group joins them. One synchronisation (DiLoCo's outer step, Douillard et al. 202
     θ_global   ← OuterOpt(θ_global, Δ̄)  if commit     # else rolled back: every group restarts from the unchanged
                                                       # θ_global, its residuals from zero; the next window retries
 
+A whole model on a group of several processes (DDP inside the group, which keeps its replicas equal): each
+rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
+the other groups, and the averages are broadcast inside the group, so the bytes between groups are one
+model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
+model's ranks each exchange their shard (:class:`~lightning_gradcomp.fsdp.local_updates.FaultTolerantShardedLoop`).
+
 A group that leaves takes its error-feedback residuals and compressor state with it; a group that joins
 starts with fresh ones. The sums and rescaling are the engine's, so every compressor works. Torchft's own
 ``DiLoCo`` ends bit for bit where ours does without faults (``tests/test_torchft_diloco.py``).
@@ -22,18 +29,21 @@ torchft is an optional dependency (``pip install "lightning-gradcomp[ft]"``): im
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver
+from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync
 
@@ -85,6 +95,14 @@ class FaultTolerance:
     @property
     def group_name(self) -> str:
         return self.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{os.uname().nodename}-{os.getpid()}"
+
+    def data_seed(self, seed: int) -> int:
+        """The seed of this group's data order: ``seed`` mixed with the group's name, so that groups running
+        the same script (the same ``seed_everything``) shuffle their data differently instead of all taking
+        the same batches (the number of groups changes as they leave and join, so the data are not split
+        between them: each group draws its own order of the whole set, as torchft's examples do). The
+        Trainer's and Fabric's distributed samplers use it."""
+        return (seed + zlib.crc32(self.group_name.encode())) % 2**31
 
 
 def torchft_module() -> Any:
@@ -185,6 +203,30 @@ def _store_address() -> tuple[str, int]:
     return address, int(port)
 
 
+@dataclass(frozen=True)
+class RowBlock:
+    """One rank's rows of a tensor: elements ``[start, stop)`` of its flat view, exchanged as a tensor of
+    ``shape`` (``(rows, *shape[1:])``)."""
+
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+
+
+def row_blocks(shape: tuple[int, ...], ranks: int) -> list[RowBlock]:
+    """Each rank's block of a tensor's rows (dim 0, ``torch.chunk``'s split, as FSDP2 shards): the same on
+    every rank and in every replica group, so that rank r of each group exchanges the same elements; a
+    0-d tensor is one row; a rank past the last row gets an empty block."""
+    rows = shape[0] if shape else 1
+    width = math.prod(shape[1:]) if shape else 1
+    per_rank = -(-rows // ranks)
+    blocks = []
+    for rank in range(ranks):
+        first, last = min(rows, rank * per_rank), min(rows, (rank + 1) * per_rank)
+        blocks.append(RowBlock(first * width, last * width, (last - first, *shape[1:]) if shape else (last - first,)))
+    return blocks
+
+
 class FaultTolerantLoop(LocalUpdateLoop):
     """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` whose synchronisations go through a torchft
     quorum: the exchange runs over the quorum's process group (:class:`ReconfigurableDriver`), the average is
@@ -196,12 +238,13 @@ class FaultTolerantLoop(LocalUpdateLoop):
     peer and takes part in that synchronisation at once, with a zero outer gradient.
 
     Args:
-        module, config, exchange: as for the loop (``exchange`` built on this job's world of one process; its
-            driver is replaced by one over torchft's group).
+        module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
+            group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
         fault_tolerance: the lighthouse and this group's name.
     """
 
-    #: whether the group's processes shard the model (each exchanges its shard); else the group is one process
+    #: whether the group's processes shard the model (each exchanges its shard); else each holds the whole
+    #: model, kept equal inside the group by DistributedDataParallel, and they split the exchange
     shards_the_model = False
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
@@ -209,11 +252,11 @@ class FaultTolerantLoop(LocalUpdateLoop):
         if config.fragment_count != 1 or config.delay != 0:
             raise ValueError("gradcomp: fault_tolerance synchronises the whole model at once, at the end of each window; "
                              f"allowed: fragments=1 and delay=0 (got fragments={config.fragments}, delay={config.delay})")
-        if not self.shards_the_model and dist.get_world_size() != 1:
-            raise ValueError(f"gradcomp: fault_tolerance on a whole model takes replica groups of one process each (this "
-                             f"job has {dist.get_world_size()}); start one job per replica group (devices=1), or shard "
-                             "the model with FSDP2 over the group's processes, whose shards then cross between the groups")
         super().__init__(module, config, exchange)
+        #: with a whole model on several processes: each parameter's row blocks, one per rank of the group
+        self.blocks: Optional[list[list[RowBlock]]] = None
+        if not self.shards_the_model and dist.get_world_size() > 1:
+            self.blocks = [row_blocks(tuple(p.shape), dist.get_world_size()) for p in self.params]
         self.driver = ReconfigurableDriver()
         exchange.driver = self.driver
         self.membership = Membership(fault_tolerance, self._shared_state, self._receive_state)
@@ -232,6 +275,8 @@ class FaultTolerantLoop(LocalUpdateLoop):
                     self.membership.report_error(error)
             self.membership.manager.should_commit()
             self._quorum_taken = False
+            if self.blocks is not None:
+                self._equalise_group()
             return
         self._complete(self._begin(0, self.outer.optimizer_steps))  # a running job's synchronisation: take part
 
@@ -273,12 +318,61 @@ class FaultTolerantLoop(LocalUpdateLoop):
             except CollectiveError as error:  # a group died during the exchange: every group rolls back
                 self._failed = error
                 self.membership.report_error(error)
-        pending = PendingSync(fragment, merge_at, [])
+        # nothing to apply; the group's ranks still share their (zero) parts below, every rank alike
+        pending = PendingSync(fragment, merge_at, [torch.zeros_like(self.outer.global_params[i]).view(-1)
+                                                   for i in self.outer.members(fragment)])
         self.pending = [p for p in self.pending if p.fragment != fragment] + [pending]
         return pending
 
     @torch.no_grad()
+    def _equalise_group(self) -> None:
+        """At a fresh start torchft gives each rank the weights of the same rank of *some* group, chosen per
+        rank: a group of DDP processes could start from several groups' initial weights. Its first rank's
+        (now the same in every group) are broadcast inside the group and become θ_global."""
+        for tensor in [*self.params, *(buffer for _, buffer in self.buffers)]:
+            dist.broadcast(tensor.data, 0)
+        for glob, param in zip(self.outer.global_params, self.params):
+            glob.copy_(param.detach())
+        self.global_buffers.record(0, [buffer for _, buffer in self.buffers])
+
+    def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[torch.Tensor],
+                          outs: Sequence[torch.Tensor]) -> list[Entry]:
+        if self.blocks is None:
+            return super()._exchange_entries(indices, deltas, outs)
+        rank = dist.get_rank()  # this rank's rows of every parameter
+        return [Entry(self.names[i], block.shape, delta[block.start:block.stop], out[block.start:block.stop])
+                for i, delta, out in zip(indices, deltas, outs)
+                for block in [self.blocks[i][rank]] if block.stop > block.start]
+
+    def _share_within_group(self, pending: PendingSync) -> None:
+        """A whole model on several processes: each rank exchanged its row blocks of the outer gradients with
+        the same rank of the other groups; each broadcasts their averages inside the group, so that every rank
+        steps θ_global alike (DDP keeps the replicas equal, so the group's Δ is the same on each rank)."""
+        indices = self.outer.members(pending.fragment)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        for rank in range(dist.get_world_size()):
+            parts = [averaged[block.start:block.stop] for index, averaged in zip(indices, pending.averaged)
+                     for block in [self.blocks[index][rank]] if block.stop > block.start]
+            if not parts:
+                continue
+            flat = torch.cat(parts).to(device)
+            dist.broadcast(flat, rank)
+            torch._foreach_copy_(parts, [piece.to(parts[0].device) for piece in flat.split([p.numel() for p in parts])])
+
+    def _average_buffers(self, fragment: int) -> None:
+        if self.blocks is not None:  # DDP does not sync buffers in forward under local updates: the group's
+            self._broadcast_buffers(fragment)  # first rank's, then averaged between the groups
+        super()._average_buffers(fragment)
+
+    def _broadcast_buffers(self, fragment: int) -> None:
+        for (_, buffer), owner in zip(self.buffers, self.buffer_fragment):
+            if owner == fragment:
+                dist.broadcast(buffer, 0)
+
+    @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:
+        if self.blocks is not None:
+            self._share_within_group(pending)
         committed = self.membership.should_commit()  # every group votes, a failed one says no
         if committed and self._failed is None:
             scale = self.driver.world_size / self._participants  # the engine averaged over the group's size

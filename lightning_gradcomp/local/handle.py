@@ -215,6 +215,15 @@ class FaultTolerantHandle(LocalUpdateHandle):
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
         return None  # this job alone: the groups' processes do not all-reduce outside a synchronisation
 
+    #: whether the group's processes must train the model under DistributedDataParallel (checked at the first step)
+    requires_ddp = False
+
+    def _step(self) -> bool:
+        if self.requires_ddp:
+            self.requires_ddp = False
+            require_gradient_all_reduce(self.loop.module)
+        return super()._step()
+
     def _exchange_workers(self) -> int:
         return self.loop.driver.world_size
 
@@ -272,19 +281,26 @@ def local_updates(
             device) or ``"cpu"`` (host memory, pinned: 2-3x the model's bytes kept off the accelerator, at
             the price of a copy each way per synchronisation).
         fault_tolerance: a :class:`~lightning_gradcomp.local.fault_tolerance.FaultTolerance`: this job is one
-            replica group (one process; ``torch.distributed`` initialised on it alone) of a job that survives
-            lost groups: the synchronisations go through torchft's lighthouse and process group (needs the
-            ``ft`` extra); ``fragments=1`` and ``delay=0``.
+            replica group of a job that survives lost groups (its ``torch.distributed`` world is the group's
+            alone): the synchronisations go through torchft's lighthouse and process group (needs the ``ft``
+            extra); ``fragments=1`` and ``delay=0``. A group of several processes trains the model under
+            ``DistributedDataParallel`` inside the group (pass the wrapper, or the bare model and call its
+            wrapper; a gradient all-reduce inside the group every step, DDP's own), and its ranks split the
+            outer exchange between them: each sends a part of the model to the same rank of the other groups.
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
-                         "DistributedDataParallel is not wanted (pass ddp.module, and call it in the loop)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
                            "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
     optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
     config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     timeout = check_checkpoint_timeout(timeout)
+    if fault_tolerance is not None and dist.get_world_size() > 1:  # a replica group of several processes: DDP inside
+        return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
+                                     min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
+                                     timeout=timeout, group=group, global_device=global_device, ddp_inside=True)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
+                         "DistributedDataParallel is not wanted (pass ddp.module, and call it in the loop)")
     refuse_gradient_all_reduce(model)
     if fault_tolerance is not None:
         return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
@@ -306,11 +322,12 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
                           min_compress_numel: int = 1024, seed: int = 0, telemetry: bool = False,
                           timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, group: Optional[dist.ProcessGroup] = None,
                           global_device: Optional[Any] = None, loop_class: type[FaultTolerantLoop] = FaultTolerantLoop,
-                          layout: Optional[str] = None) -> FaultTolerantHandle:
+                          layout: Optional[str] = None, ddp_inside: bool = False) -> FaultTolerantHandle:
     """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
     with ``optimizers`` empty, the caller counts the steps (``handle.step()``), as the Fabric strategy does.
     ``loop_class``: the outer loop (an FSDP2 model's shards: the FSDP layer's); ``layout``: the exchange layout
-    its checkpoints record."""
+    its checkpoints record; ``ddp_inside``: the group's processes keep ``model`` equal with a
+    ``DistributedDataParallel`` wrapper (``model`` may be the wrapper), checked at the first step."""
     if not isinstance(fault_tolerance, FaultTolerance):
         raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
                          f"{fault_tolerance!r}")
@@ -318,6 +335,10 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
                          "group=None and global_device=None")
     torchft_module()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    if ddp_inside:
+        broadcast_from_first_rank(model)  # the group's replicas start equal, wrapped in DDP now or later
     device = next(model.parameters()).device
     names = {id(p): name for name, p in model.named_parameters()}
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
@@ -327,6 +348,7 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         hook_state.layout = layout
     loop = loop_class(model, config, hook_state, fault_tolerance)
     handle = FaultTolerantHandle(loop, optimizers, device)
+    handle.requires_ddp = ddp_inside
     handle.checkpoint_group = checkpoint_group(None, timeout)
     if optimizers:
         handle.count_optimizer_steps(optimizers[0])
@@ -376,6 +398,22 @@ def refuse_gradient_all_reduce(model: torch.nn.Module) -> None:
             wrapper.register_comm_hook(None, _refuse_all_reduce)
         elif hooks != [_refuse_all_reduce]:  # its own hook exchanges the gradients
             raise ValueError(_DDP_STILL_ON)
+
+
+def require_gradient_all_reduce(model: torch.nn.Module) -> None:
+    """A replica group of several processes under fault tolerance keeps its replicas equal with DDP's
+    gradient all-reduce; without a wrapper they would drift apart between synchronisations, and each rank's
+    part of the exchange would come from a different replica: refused at the first step."""
+    wrappers = _ddp_wrappers_of(model)
+    if not wrappers:
+        raise ValueError(
+            f"gradcomp.local_updates(fault_tolerance=...): this replica group has {dist.get_world_size()} processes, "
+            "which must train one model: wrap it in DistributedDataParallel inside the group (ddp = "
+            "DistributedDataParallel(model); call ddp(x) in the loop), or start one process per group, or shard "
+            "the model with FSDP2 over the group's processes")
+    if any(hook is _refuse_all_reduce for wrapper in wrappers for hook, _ in getattr(wrapper, "_comm_hooks", [])):
+        raise ValueError("gradcomp.local_updates(fault_tolerance=...): the DistributedDataParallel wrapper inside the "
+                         "group must all-reduce gradients (DDP's default), it has local updates' refusing hook")
 
 
 _DDP_STILL_ON = (

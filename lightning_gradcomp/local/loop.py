@@ -226,8 +226,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         params = self.params
         deltas = self.outer.outer_gradients(params, indices)
         pending = PendingSync(fragment, merge_at, [torch.empty_like(delta) for delta in deltas])
-        entries = [Entry(self.names[i], tuple(params[i].shape), delta, out)  # an empty shard sends nothing
-                   for i, delta, out in zip(indices, deltas, pending.averaged) if delta.numel()]
+        entries = self._exchange_entries(indices, deltas, pending.averaged)
         buckets = sync_buckets(entries)
         for number, bucket in enumerate(buckets):
             last = number == len(buckets) - 1
@@ -237,6 +236,13 @@ class LocalUpdateLoop(ScheduledSyncs):
                 self.exchange.exchange_now(bucket, last)
         self.pending.append(pending)
         return pending
+
+    def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
+        """What this rank hands the engine: each parameter's flat outer gradient and where its average goes
+        (a replica group of several processes under fault tolerance exchanges a row block of each)."""
+        params = self.params
+        return [Entry(self.names[i], tuple(params[i].shape), delta, out)  # an empty shard sends nothing
+                for i, delta, out in zip(indices, deltas, outs) if delta.numel()]
 
     @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:

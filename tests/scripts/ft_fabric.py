@@ -1,7 +1,7 @@
-"""One replica group of a fault-tolerant local-updates job under Fabric (``devices=1``; run by
+"""One replica group of a fault-tolerant local-updates job under Fabric (``--devices``, DDP inside; run by
 tests/test_fault_tolerance.py with torchft's lighthouse on 127.0.0.1):
-``GradCompFabricStrategy(compressor="sparseloco", local_updates=4, fault_tolerance=FaultTolerance(...))`` on the
-digits MLP, looping while the groups' step count is below ``--steps``. Writes ``<out>.pt``."""
+``GradCompFabricStrategy(compressor=args.compressor, local_updates=4, fault_tolerance=FaultTolerance(...))`` on the
+digits MLP, looping while the groups' step count is below ``--steps``. Writes ``<out>.pt`` (``<out>-rankR.pt``)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ def main() -> None:
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--compressor", default="sparseloco")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    strategy = GradCompFabricStrategy(compressor="sparseloco", min_compress_numel=256, local_updates=4,
+    strategy = GradCompFabricStrategy(compressor=args.compressor, min_compress_numel=256, local_updates=4,
                                       fault_tolerance=FaultTolerance(lighthouse=args.lighthouse,
                                                                      replica_id=f"fabric{args.replica}", timeout=20))
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     torch.manual_seed(int(args.replica))
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -38,7 +40,8 @@ def main() -> None:
     gradcomp = fabric.strategy.gradcomp
     losses = []
     while gradcomp.optimizer_steps < args.steps:
-        generator = torch.Generator().manual_seed(1000 * gradcomp.optimizer_steps + int(args.replica))
+        generator = torch.Generator().manual_seed(1000 * gradcomp.optimizer_steps + 10 * int(args.replica)
+                                                + fabric.global_rank)
         order = torch.randint(0, len(labels), (32,), generator=generator)
         loss = F.cross_entropy(model(images[order]), labels[order])
         fabric.backward(loss)
@@ -48,7 +51,8 @@ def main() -> None:
     figures = gradcomp.fault_tolerance
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses,
                 "commits": figures.commits, "participants": list(figures.participants),
-                "syncs": gradcomp.loop.outer.syncs, "summary": fabric.strategy.summary()}, f"{args.out}.pt")
+                "syncs": gradcomp.loop.outer.syncs, "summary": fabric.strategy.summary()},
+               f"{args.out}.pt" if fabric.global_rank == 0 else f"{args.out}-rank{fabric.global_rank}.pt")
     fabric.strategy.teardown()
 
 
