@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -238,3 +239,43 @@ def check_ddp_groups_split_the_exchange(rank: int, world_size: int, ports: list[
         dist.destroy_process_group()
     for params in everyone[1:]:
         assert all(torch.equal(a, b) for a, b in zip(params, everyone[0]))
+
+
+def _streaming_run(rank: int, port: int, lighthouse: Optional[str]) -> dict:
+    """Streaming DiLoCo (2 fragments, delay 1, int8) on a whole model, 2 workers: under fault tolerance (each its
+    own world of one process, ``lighthouse`` given) or in one world of 2."""
+    from lightning_gradcomp import FaultTolerance
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0 if lighthouse else rank, world_size=1 if lighthouse else 2)
+    try:
+        model = _model()
+        inner, _ = _optimizers(model)
+        ft = FaultTolerance(lighthouse=lighthouse, replica_id=f"stream{rank}", timeout=30) if lighthouse else None
+        handle = lightning_gradcomp.local_updates(
+            model, inner, 4, "int8", fragments=2, delay=1, min_compress_numel=64, fault_tolerance=ft,
+            outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+        for step in range(13):  # the last fragment's exchange, started after step 12, merged after step 13
+            x, y = _batch(step, rank)
+            nn.functional.cross_entropy(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+        result = {"params": [p.detach().clone() for p in model.parameters()], "syncs": handle.loop.outer.syncs,
+                  "global": [g.detach().clone() for g in handle.loop.outer.global_params]}
+        if ft is not None:
+            result["commits"] = handle.fault_tolerance.commits
+        handle.close()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def check_streaming_groups_equal_the_world(rank: int, world_size: int, ports: list[int], lighthouse: str) -> None:
+    """Streaming DiLoCo under fault tolerance (a quorum and a commit per fragment, the exchange overlapping an
+    inner step on the exchange thread, over torchft's group) ends bit for bit where the same run in one world
+    does, after 6 fragment synchronisations."""
+    theirs = _streaming_run(rank, ports[1 + rank], lighthouse)
+    ours = _streaming_run(rank, ports[0], None)
+    assert theirs["syncs"] == ours["syncs"] == theirs["commits"] == 6, (theirs["syncs"], ours["syncs"])
+    for mine, other in zip(ours["global"] + ours["params"], theirs["global"] + theirs["params"]):
+        assert torch.equal(mine, other), (mine - other).abs().max()

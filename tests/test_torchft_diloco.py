@@ -10,6 +10,7 @@ from tests._torchft_workers import (
     check_ddp_groups_split_the_exchange,
     check_diloco_equals_torchft,
     check_fault_tolerant_shards_equal_the_mesh,
+    check_streaming_groups_equal_the_world,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -49,3 +50,14 @@ def test_fault_tolerant_replica_groups_of_ddp_processes_split_the_exchange() -> 
     finally:
         for lighthouse in lighthouses:
             lighthouse.shutdown()
+
+
+def test_streaming_diloco_under_fault_tolerance_equals_it_without() -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
+    try:
+        run_processes(check_streaming_groups_equal_the_world, 2, [free_port() for _ in range(3)], lighthouse.address())
+    finally:
+        lighthouse.shutdown()

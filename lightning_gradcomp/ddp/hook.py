@@ -356,6 +356,15 @@ class GradCompHookState:
                 raise
         return future.then(value_or_raise)
 
+    def use_driver(self, driver: TorchDriver) -> None:
+        """Run every later exchange through ``driver``, in the caller and on the exchange thread alike (a
+        process group that changes between exchanges: torchft's). The thread's own group is no longer used."""
+        self.driver = driver
+        if self._thread_driver is not None:
+            if self.thread is not None:
+                raise RuntimeError("gradcomp: the exchange thread already runs on its own group")
+            self._thread_driver = driver
+
     def exchange_now(self, entries: list[Entry], last: bool) -> None:
         """Exchange ``entries`` now, in the calling thread, each aggregate written into its ``out``
         (local updates' outer gradients, :mod:`lightning_gradcomp.local`). Every rank calls it with the

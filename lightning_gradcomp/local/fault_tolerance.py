@@ -237,6 +237,11 @@ class FaultTolerantLoop(LocalUpdateLoop):
     (a replacement) receives θ_global, the outer optimizer's state and the schedule position from a live
     peer and takes part in that synchronisation at once, with a zero outer gradient.
 
+    With fragments (Streaming DiLoCo) each fragment's synchronisation is one quorum, exchange and vote, and a
+    rollback restores that fragment alone; with ``delay`` the exchange runs on the exchange thread (over
+    torchft's group) while the inner steps go on, and the vote comes at the merge (``delay`` is below
+    ``H / fragments``, so one fragment's synchronisation ends before the next one's quorum).
+
     Args:
         module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
             group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
@@ -249,16 +254,13 @@ class FaultTolerantLoop(LocalUpdateLoop):
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
                  fault_tolerance: FaultTolerance) -> None:
-        if config.fragment_count != 1 or config.delay != 0:
-            raise ValueError("gradcomp: fault_tolerance synchronises the whole model at once, at the end of each window; "
-                             f"allowed: fragments=1 and delay=0 (got fragments={config.fragments}, delay={config.delay})")
         super().__init__(module, config, exchange)
         #: with a whole model on several processes: each parameter's row blocks, one per rank of the group
         self.blocks: Optional[list[list[RowBlock]]] = None
         if not self.shards_the_model and dist.get_world_size() > 1:
             self.blocks = [row_blocks(tuple(p.shape), dist.get_world_size()) for p in self.params]
         self.driver = ReconfigurableDriver()
-        exchange.driver = self.driver
+        exchange.use_driver(self.driver)
         self.membership = Membership(fault_tolerance, self._shared_state, self._receive_state)
         self._participants = 1
         self._failed: Optional[BaseException] = None
@@ -278,7 +280,15 @@ class FaultTolerantLoop(LocalUpdateLoop):
             if self.blocks is not None:
                 self._equalise_group()
             return
-        self._complete(self._begin(0, self.outer.optimizer_steps))  # a running job's synchronisation: take part
+        # a running job's synchronisation, of the fragment(s) its schedule starts at the position received
+        # (at the others' final sync(): those whose parameters moved since their last merge): take part
+        now = self.outer.optimizer_steps
+        fragments = (self.outer.starting_at(now) or
+                     [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)])
+        for fragment in fragments:
+            pending = self._begin(fragment, now + self.outer.delay)
+            if self.outer.delay == 0:
+                self._complete(pending)  # else merged by the schedule, as the others merge theirs
 
     def _take_quorum(self) -> None:
         # the last synchronisation's figures are closed among the groups that made them: bytes depend on the
@@ -333,7 +343,8 @@ class FaultTolerantLoop(LocalUpdateLoop):
             dist.broadcast(tensor.data, 0)
         for glob, param in zip(self.outer.global_params, self.params):
             glob.copy_(param.detach())
-        self.global_buffers.record(0, [buffer for _, buffer in self.buffers])
+        for fragment in range(self.outer.fragments):
+            self.global_buffers.record(fragment, [buffer for _, buffer in self.buffers])
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[torch.Tensor],
                           outs: Sequence[torch.Tensor]) -> list[Entry]:
@@ -371,6 +382,17 @@ class FaultTolerantLoop(LocalUpdateLoop):
 
     @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:
+        for future in pending.futures:  # an overlapped exchange (delay > 0): its failure is this group's vote
+            try:
+                future.wait()
+            except CollectiveError as error:
+                if self._failed is None:
+                    self._failed = error
+                    self.membership.report_error(error)
+        pending.futures = []
+        if self._failed is not None:  # what arrived is incomplete: share zeros inside the group, apply nothing
+            for averaged in pending.averaged:
+                averaged.zero_()
         if self.blocks is not None:
             self._share_within_group(pending)
         committed = self.membership.should_commit()  # every group votes, a failed one says no
@@ -382,11 +404,11 @@ class FaultTolerantLoop(LocalUpdateLoop):
             return
         self.pending.remove(pending)
         reason = self._failed or "another replica group failed"
-        warnings.warn(f"gradcomp: synchronisation {self.outer.syncs + 1} was rolled back ({reason}); every replica group "
-                      "restarts from the unchanged global parameters and this window's inner steps are dropped",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gradcomp: synchronisation {self.outer.syncs + 1} (fragment {pending.fragment}) was rolled back "
+                      f"({reason}); every replica group restarts this fragment from its unchanged global parameters "
+                      "and the inner steps since its last synchronisation are dropped", RuntimeWarning, stacklevel=3)
         self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
-        self.global_buffers.copy_into([buffer for _, buffer in self.buffers])
+        self.global_buffers.copy_into([buffer for _, buffer in self.buffers], pending.fragment)
         self.exchange.memory.residuals.clear()  # their last update may hold the dropped window
         self.synced = True
 

@@ -118,10 +118,11 @@ class GlobalBuffers:
                 value.copy_(buffer)
 
     @torch.no_grad()
-    def copy_into(self, buffers: Sequence[Tensor]) -> None:
-        """Write the recorded values into ``buffers`` (all of the module's, in order)."""
-        for value, buffer in zip(self.values, buffers):
-            if value is not None:
+    def copy_into(self, buffers: Sequence[Tensor], fragment: Optional[int] = None) -> None:
+        """Write the recorded values into ``buffers`` (all of the module's, in order; only ``fragment``'s
+        when given)."""
+        for value, buffer, owner in zip(self.values, buffers, self.fragment_of):
+            if value is not None and fragment in (None, owner):
                 buffer.copy_(value)
 
     def state_dict(self) -> list[Optional[Tensor]]:

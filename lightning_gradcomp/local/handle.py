@@ -283,7 +283,9 @@ def local_updates(
         fault_tolerance: a :class:`~lightning_gradcomp.local.fault_tolerance.FaultTolerance`: this job is one
             replica group of a job that survives lost groups (its ``torch.distributed`` world is the group's
             alone): the synchronisations go through torchft's lighthouse and process group (needs the ``ft``
-            extra); ``fragments=1`` and ``delay=0``. A group of several processes trains the model under
+            extra), one quorum and commit per fragment's synchronisation (Streaming DiLoCo's ``fragments``
+            and ``delay`` too: the exchange overlaps ``delay`` inner steps, then the vote). A group of several
+            processes trains the model under
             ``DistributedDataParallel`` inside the group (pass the wrapper, or the bare model and call its
             wrapper; a gradient all-reduce inside the group every step, DDP's own), and its ranks split the
             outer exchange between them: each sends a part of the model to the same rank of the other groups.
@@ -341,8 +343,8 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         broadcast_from_first_rank(model)  # the group's replicas start equal, wrapped in DDP now or later
     device = next(model.parameters()).device
     names = {id(p): name for name, p in model.named_parameters()}
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed, exchange_thread=False, device=device)
+    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
+                                   seed=seed, exchange_thread=config.delay > 0, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     if layout is not None:
         hook_state.layout = layout

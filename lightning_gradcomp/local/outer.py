@@ -92,7 +92,11 @@ class OuterModel:
         later; with ``overlap="before"``, torchft's, after steps ``t ≡ (f+1)·H/F − τ``, merged after steps
         ``t ≡ (f+1)·H/F``)."""
         self.optimizer_steps += 1
-        position = self.optimizer_steps % self.sync_every
+        return self.starting_at(self.optimizer_steps)
+
+    def starting_at(self, step: int) -> list[int]:
+        """The fragments whose exchange starts after inner step ``step`` (see :meth:`count_step`)."""
+        position = step % self.sync_every
         stride = self.sync_every // self.fragments
         lead = self.delay if self.overlap == "before" else 0
         return [f for f in range(self.fragments) if ((f + 1) * stride - lead) % self.sync_every == position]

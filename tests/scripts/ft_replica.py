@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--compressor", default="int8")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--sync-every", type=int, default=4)
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--delay", type=int, default=0)
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-in-sync", type=int, default=None,
                         help="leave right after joining the quorum of synchronisation K, before its exchange")
@@ -52,7 +54,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = lightning_gradcomp.local_updates(
-        model, optimizer, args.sync_every, args.compressor, min_compress_numel=256,
+        model, optimizer, args.sync_every, args.compressor, min_compress_numel=256, fragments=args.fragments,
+        delay=args.delay,
         fault_tolerance=FaultTolerance(lighthouse=args.lighthouse, replica_id=f"group{args.replica}", timeout=20,
                                        quorum_timeout=60, connect_timeout=10))
     loop = handle.loop
