@@ -254,6 +254,7 @@ def _streaming_run(rank: int, port: int, lighthouse: Optional[str]) -> dict:
         ft = FaultTolerance(lighthouse=lighthouse, replica_id=f"stream{rank}", timeout=30) if lighthouse else None
         handle = lightning_gradcomp.local_updates(
             model, inner, 4, "int8", fragments=2, delay=1, min_compress_numel=64, fault_tolerance=ft,
+            global_device="cpu" if ft else None,  # θ_global in host memory under fault tolerance, on the device without
             outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
         for step in range(13):  # the last fragment's exchange, started after step 12, merged after step 13
             x, y = _batch(step, rank)
@@ -272,8 +273,8 @@ def _streaming_run(rank: int, port: int, lighthouse: Optional[str]) -> dict:
 
 def check_streaming_groups_equal_the_world(rank: int, world_size: int, ports: list[int], lighthouse: str) -> None:
     """Streaming DiLoCo under fault tolerance (a quorum and a commit per fragment, the exchange overlapping an
-    inner step on the exchange thread, over torchft's group) ends bit for bit where the same run in one world
-    does, after 6 fragment synchronisations."""
+    inner step on the exchange thread, over torchft's group; ``global_device="cpu"``) ends bit for bit where
+    the same run in one world does, after 6 fragment synchronisations."""
     theirs = _streaming_run(rank, ports[1 + rank], lighthouse)
     ours = _streaming_run(rank, ports[0], None)
     assert theirs["syncs"] == ours["syncs"] == theirs["commits"] == 6, (theirs["syncs"], ours["syncs"])

@@ -194,16 +194,16 @@ def local_updates(
             min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
             global_device=global_device, fault_tolerance=fault_tolerance)
     if fault_tolerance is not None:
-        if mesh is not None or group is not None or global_device is not None:
+        if mesh is not None or group is not None:
             raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
                              "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
-                             "and torchft joins the groups; allowed: mesh=None, group=None, global_device=None")
+                             "and torchft joins the groups; allowed: mesh=None, group=None")
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         return attach_fault_tolerant_sharded(model, optimizers, LocalUpdates(sync_every, outer_optimizer, fragments,
                                                                              delay, alpha, overlap),
                                              compressor, fault_tolerance, error_feedback=error_feedback,
                                              min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                             timeout=timeout)
+                                             timeout=timeout, global_device=global_device)
     if mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
@@ -254,7 +254,8 @@ def attach_fault_tolerant_sharded(model: torch.nn.Module, optimizers: list[Optim
                                   compressor: Union[Compressor, str], fault_tolerance: Any, *,
                                   error_feedback: Optional[bool] = None, min_compress_numel: int = 1024, seed: int = 0,
                                   telemetry: bool = False,
-                                  timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT) -> FaultTolerantHandle:
+                                  timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+                                  global_device: Optional[Union[str, torch.device]] = None) -> FaultTolerantHandle:
     """Local updates of an FSDP2 model sharded over this job's world, one replica group under torchft (with
     ``optimizers`` empty the caller counts the steps, as the Trainer strategy does)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -262,7 +263,8 @@ def attach_fault_tolerant_sharded(model: torch.nn.Module, optimizers: list[Optim
     _check_sharding(model, dist.group.WORLD)
     return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
                                  min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                 timeout=check_checkpoint_timeout(timeout), loop_class=FaultTolerantShardedLoop,
+                                 timeout=check_checkpoint_timeout(timeout), global_device=global_device,
+                                 loop_class=FaultTolerantShardedLoop,
                                  layout=f"local-hsdp-ft:shard={dist.get_world_size()}")
 
 

@@ -179,9 +179,6 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
                              "global_device=None")
         self.global_device = check_global_device(global_device)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
-        if self.fault_tolerance is not None and self.global_device is not None:
-            raise ValueError("fault_tolerance keeps θ_global beside the shards it heals from; allowed with "
-                             "fault_tolerance: global_device=None")
         self.shard_size = check_shard_size(shard_size)
         self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
         self.fully_shard_kwargs = check_fully_shard_options(self.auto_wrap_policy, mp_policy, reshard_after_forward)
@@ -308,7 +305,8 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
                    "seed": self.seed, "timeout": self._timeout or DEFAULT_CHECKPOINT_TIMEOUT}
         if self.fault_tolerance is not None:  # this job is one replica group; the quorum is taken now
             self.gradcomp = attach_fault_tolerant_sharded(self.lightning_module, [], self.local_updates, self.compressor,
-                                                          self.fault_tolerance, **options)
+                                                          self.fault_tolerance, global_device=self.global_device,
+                                                          **options)
         elif self.local_updates is not None:
             self.gradcomp = attach_sharded(self.lightning_module, self.device_mesh, self.local_updates, self.compressor,
                                            global_device=self.global_device, **options)

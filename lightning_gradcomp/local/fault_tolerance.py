@@ -246,6 +246,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
             group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
         fault_tolerance: the lighthouse and this group's name.
+        global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
     """
 
     #: whether the group's processes shard the model (each exchanges its shard); else each holds the whole
@@ -253,8 +254,8 @@ class FaultTolerantLoop(LocalUpdateLoop):
     shards_the_model = False
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
-                 fault_tolerance: FaultTolerance) -> None:
-        super().__init__(module, config, exchange)
+                 fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None) -> None:
+        super().__init__(module, config, exchange, global_device=global_device)
         #: with a whole model on several processes: each parameter's row blocks, one per rank of the group
         self.blocks: Optional[list[list[RowBlock]]] = None
         if not self.shards_the_model and dist.get_world_size() > 1:

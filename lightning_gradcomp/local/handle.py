@@ -333,9 +333,10 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
     if not isinstance(fault_tolerance, FaultTolerance):
         raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
                          f"{fault_tolerance!r}")
-    if group is not None or global_device is not None:
+    if group is not None:
         raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
-                         "group=None and global_device=None")
+                         "group=None")
+    global_device = check_global_device(global_device)
     torchft_module()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
@@ -348,7 +349,7 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     if layout is not None:
         hook_state.layout = layout
-    loop = loop_class(model, config, hook_state, fault_tolerance)
+    loop = loop_class(model, config, hook_state, fault_tolerance, global_device=global_device)
     handle = FaultTolerantHandle(loop, optimizers, device)
     handle.requires_ddp = ddp_inside
     handle.checkpoint_group = checkpoint_group(None, timeout)
