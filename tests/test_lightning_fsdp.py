@@ -342,10 +342,12 @@ def test_what_only_fit_can_see_is_refused_before_the_first_step() -> None:
 # ---------------------------------------------------------------------- local updates on the shards (Trainer)
 def _local_fit(fsdp_runs) -> tuple[list[dict], str, Path]:
     """Two epochs (44 steps) of DiLoCo H = 5 with int8 outer gradients on the sharded transformer, validated at
-    every epoch's end, a checkpoint at the end of the first (step 22: in the middle of a window)."""
+    every epoch's end, a checkpoint at the end of the first (step 22: in the middle of a window); with
+    CompressionMonitor and a CSV log (the resumed run, without them, must still match bit for bit)."""
     ckpt = fsdp_runs.root / "local-epoch1.ckpt"
     ranks, output = fsdp_runs("train_fsdp.py", "local", "--epochs", "2", "--local-updates", "5", "--compressor",
-                              "int8", "--save", str(ckpt), "--validate")
+                              "int8", "--save", str(ckpt), "--validate", "--monitor", "--csv",
+                              str(fsdp_runs.root / "csv-local"))
     return ranks, output, ckpt
 
 
@@ -368,6 +370,12 @@ def test_trainer_local_updates_on_shards_learn_and_end_on_theta_global(fsdp_runs
     assert all(torch.equal(ranks[0]["full"][name], rank["full"][name]) for rank in ranks for name in ranks[0]["full"]), \
         "every rank ends on θ_global"
     assert output.count("gradcomp summary") == 1
+    # CompressionMonitor and the strategy log at each synchronisation only (nothing crosses between them)
+    (metrics_file,) = (fsdp_runs.root / "csv-local").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_file.open()))
+    logged = sorted({int(row["step"]) for row in rows if row.get("gradcomp/outer_grad_norm")})
+    monitored = sorted({int(row["step"]) for row in rows if row.get("gradcomp/comm_ms_est")})
+    assert len(logged) == steps // 5 and monitored == logged, (logged, monitored)
 
 
 @pytest.mark.multiprocess

@@ -57,10 +57,15 @@ def log_at_synchronisations(trainer: Any, stats: StepStats, loop: Any) -> None:
     if trainer is None or not trainer.loggers or trainer.log_every_n_steps <= 0 or not loop.synced:
         return
     metrics = stats.metrics()
-    metrics["gradcomp/outer_grad_norm"] = loop.outer.last_norm
-    metrics.update(fault_tolerance_metrics(loop))
+    metrics.update(outer_loop_metrics(loop))
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def outer_loop_metrics(loop: Any) -> dict[str, float]:
+    """At a synchronisation: ``gradcomp/outer_grad_norm`` (‖Δ̄‖ of the last one) and, under fault tolerance,
+    :func:`fault_tolerance_metrics`."""
+    return {"gradcomp/outer_grad_norm": loop.outer.last_norm, **fault_tolerance_metrics(loop)}
 
 
 def fault_tolerance_metrics(loop: Any) -> dict[str, float]:

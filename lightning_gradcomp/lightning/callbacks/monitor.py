@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.lightning.callbacks._access import exchange_state, local_update_loop, strategy_compressor
-from lightning_gradcomp.lightning.step_figures import fault_tolerance_metrics
+from lightning_gradcomp.lightning.step_figures import outer_loop_metrics
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import NUMERIC_FIELDS, StepStats
 
@@ -163,7 +163,8 @@ class CompressionMonitor(Callback):
         metrics: dict[str, float] = {}
         if log_now:
             metrics.update(self._metrics(step_avg, total_avg, comm_s))
-            metrics.update(fault_tolerance_metrics(loop))  # participants, commits, rollbacks under torchft
+            if loop is not None:  # ‖Δ̄‖; participants, commits, rollbacks under torchft (the strategy's own
+                metrics.update(outer_loop_metrics(loop))  # logging is off meanwhile)
         logged_at = _logging_step(trainer)
         if layer_names:
             layers = {name: layer_values[4 * i:4 * i + 4] for i, name in enumerate(layer_names)}
