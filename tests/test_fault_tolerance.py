@@ -84,28 +84,41 @@ def test_a_lost_group_costs_its_window_and_a_replacement_receives_theta_global(c
 def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_next_one_commits(tmp_path: Path) -> None:
     """Group 2 leaves after joining the quorum of synchronisation 3, before its exchange: the survivors' exchange
     fails, both roll it back (θ_global unchanged, the window's steps dropped) with a warning, and synchronisation 3
-    is retried at the end of the next window without group 2; every step runs once."""
+    is retried at the end of the next window without group 2; every step runs once. Later group 1 claims another
+    fragment in the agreement check before synchronisation 5's exchange: both roll it back too (no crash)."""
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
     try:
-        runs = [_start(str(r), lighthouse.address(), tmp_path, "int8", *(["--die-in-sync", "3"] if r == 2 else []))
-                for r in range(3)]
+        extra = {1: ["--disagree-in-sync", "5"], 2: ["--die-in-sync", "3"]}
+        runs = [_start(str(r), lighthouse.address(), tmp_path, "int8", *extra.get(r, [])) for r in range(3)]
         outcomes = [run.wait(timeout=180) for run in runs]
     finally:
         lighthouse.shutdown()
     for code, output in outcomes[:2]:
         assert code == 0, output[-4000:]
-        assert "was rolled back" in output, output[-4000:]
+        assert "was rolled back" in output and "disagree on this synchronisation" in output, output[-4000:]
     survivors = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("group[01]-*.pt"))]
     for result in survivors:
-        assert result["rollbacks"] == 1 and result["syncs"] == STEPS // H - 1, result["syncs"]  # one window dropped
+        assert result["rollbacks"] == 2 and result["syncs"] == STEPS // H - 2, result["syncs"]  # two windows dropped
         steps = [step for step, _ in result["losses"]]
         assert steps == list(range(result["first_step"] + 1, STEPS + 1))
         # θ_global did not move at the rolled-back synchronisation: the one after it starts from synchronisation 2's
-        assert sorted(result["global"]) == list(range(result["global"] and min(result["global"]), STEPS // H))
+        assert sorted(result["global"]) == list(range(result["global"] and min(result["global"]), STEPS // H - 1))
     assert all(torch.equal(a, b) for a, b in zip(survivors[0]["params"], survivors[1]["params"]))
+
+
+def test_row_blocks_split_rows_as_fsdp2_does() -> None:
+    """A replica group of DDP processes exchanges row blocks (``torch.chunk`` of dim 0): uneven rows, fewer
+    rows than ranks (empty blocks), a 0-d tensor (one row)."""
+    from lightning_gradcomp.local.fault_tolerance import row_blocks
+
+    blocks = row_blocks((5, 3), 2)
+    assert [(b.start, b.stop, b.shape) for b in blocks] == [(0, 9, (3, 3)), (9, 15, (2, 3))]
+    assert [tuple(chunk.shape) for chunk in torch.zeros(5, 3).chunk(2)] == [b.shape for b in blocks]
+    assert [(b.start, b.stop) for b in row_blocks((2,), 4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert [(b.start, b.stop, b.shape) for b in row_blocks((), 2)] == [(0, 1, (1,)), (1, 1, (0,))]
 
 
 def test_trainer_replica_groups_survive_a_lost_group_and_a_replacement_stops_with_the_others(tmp_path: Path) -> None:

@@ -270,7 +270,7 @@ class GradCompHookState:
 
     def _take_collective_log(self) -> list[tuple[str, int]]:
         log = self.driver.take_log()
-        if self._thread_driver is not None:
+        if self._thread_driver is not None and self._thread_driver is not self.driver:
             log += self._thread_driver.take_log()
         return log
 
@@ -358,12 +358,12 @@ class GradCompHookState:
 
     def use_driver(self, driver: TorchDriver) -> None:
         """Run every later exchange through ``driver``, in the caller and on the exchange thread alike (a
-        process group that changes between exchanges: torchft's). The thread's own group is no longer used."""
+        process group that changes between exchanges: torchft's): :meth:`exchange_later` then works whether
+        or not the state was built with ``exchange_thread=True`` (build it without: no group of its own)."""
+        if self.thread is not None:
+            raise RuntimeError("gradcomp: the exchange thread already runs on its own group")
         self.driver = driver
-        if self._thread_driver is not None:
-            if self.thread is not None:
-                raise RuntimeError("gradcomp: the exchange thread already runs on its own group")
-            self._thread_driver = driver
+        self._thread_driver = driver
 
     def exchange_now(self, entries: list[Entry], last: bool) -> None:
         """Exchange ``entries`` now, in the calling thread, each aggregate written into its ``out``

@@ -150,6 +150,11 @@ class TorchDriver(_ByteCounter):
         collective = Collective("all_reduce", tensor)
         self._wait(*self._issue(collective))
 
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` (the same size on each), one row per rank: blocking, counted like any other
+        collective."""
+        return self._wait(*self._issue(Collective("all_gather", tensor)))
+
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective, Optional[dist.Work]]:
         """Issue ``collective``: its future, where its result lands, the collective, and (NCCL only: see
         :meth:`_wait`) its work handle."""

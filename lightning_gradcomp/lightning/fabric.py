@@ -172,6 +172,14 @@ class GradCompFabricStrategy(DDPStrategy):
             kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
         return kwargs
 
+    @override
+    def setup_environment(self) -> None:
+        """Fabric's DDP setup; under fault tolerance, then one group name for every process
+        (:meth:`FaultTolerance.for_group`: its samplers' seed and torchft's replica id)."""
+        super().setup_environment()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.for_group()
+
     # ------------------------------------------------------------------ setup
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

@@ -219,6 +219,14 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
         )
 
+    @override
+    def setup_environment(self) -> None:
+        """DDP's; under fault tolerance, then one group name for every process (:meth:`FaultTolerance.for_group`:
+        its samplers' seed and torchft's replica id)."""
+        super().setup_environment()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.for_group()
+
     # ------------------------------------------------------------------ hook installation
     @override
     def setup(self, trainer: Any) -> None:
@@ -238,8 +246,11 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
                    "seed": self.seed, "exchange_thread": self.exchange_thread}
         if self.local_updates is not None:
+            # the overlapped exchanges (delay > 0) on a thread of their own group; under fault tolerance on
+            # torchft's group (the loop hands it over)
+            thread = self.local_updates.delay > 0 and self.fault_tolerance is None
             self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device,
-                                                **{**options, "exchange_thread": self.local_updates.delay > 0})
+                                                **{**options, "exchange_thread": thread})
             if self.fault_tolerance is not None:  # this Trainer is one replica group; the quorum is taken now
                 self.local_loop = FaultTolerantLoop(self.lightning_module, self.local_updates, self.hook_state,
                                                     self.fault_tolerance)

@@ -9,9 +9,13 @@ group joins them. One synchronisation (DiLoCo's outer step, Douillard et al. 202
                                                       # one that (re)joins heals: θ_global, the outer optimizer's
                                                       # state and the schedule position from a live peer
     Δ̄           = (1/|P|) Σ_{w∈P} C_w(Δ_w)            # the exchange engine over torchft's group, P the participants
-    commit      = every group's exchange succeeded     # torchft's should_commit
-    θ_global   ← OuterOpt(θ_global, Δ̄)  if commit     # else rolled back: every group restarts from the unchanged
+    commit      = this group's exchange succeeded      # torchft's should_commit (every rank of the group votes)
+    θ_global   ← OuterOpt(θ_global, Δ̄)  if commit     # else rolled back: the group restarts from the unchanged
                                                       # θ_global, its residuals from zero; the next window retries
+
+A failed exchange usually fails for every participant, and all roll back. A group that rolled back while
+others committed is one step behind them in torchft's count, and heals from them (θ_global, the outer state)
+at the next quorum.
 
 A whole model on a group of several processes (DDP inside the group, which keeps its replicas equal): each
 rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
@@ -29,6 +33,7 @@ torchft is an optional dependency (``pip install "lightning-gradcomp[ft]"``): im
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -96,12 +101,24 @@ class FaultTolerance:
     def group_name(self) -> str:
         return self.replica_id or os.environ.get("REPLICA_GROUP_ID") or f"{os.uname().nodename}-{os.getpid()}"
 
+    def for_group(self) -> "FaultTolerance":
+        """This configuration with one name for every process of the group (each calls it at the same
+        point): the default name (host name and process id) differs between a group's processes, so rank 0's
+        is broadcast over the group's ``torch.distributed`` world; a given name is kept."""
+        if (self.replica_id or os.environ.get("REPLICA_GROUP_ID") or not dist.is_available()
+                or not dist.is_initialized() or dist.get_world_size() == 1):
+            return self
+        names = [self.group_name]
+        dist.broadcast_object_list(names, src=0)
+        return dataclasses.replace(self, replica_id=names[0])
+
     def data_seed(self, seed: int) -> int:
         """The seed of this group's data order: ``seed`` mixed with the group's name, so that groups running
         the same script (the same ``seed_everything``) shuffle their data differently instead of all taking
         the same batches (the number of groups changes as they leave and join, so the data are not split
         between them: each group draws its own order of the whole set, as torchft's examples do). The
-        Trainer's and Fabric's distributed samplers use it."""
+        Trainer's and Fabric's distributed samplers use it (after :meth:`for_group`, the same on every rank
+        of the group)."""
         return (seed + zlib.crc32(self.group_name.encode())) % 2**31
 
 
@@ -140,7 +157,7 @@ class MembershipFigures:
 class Membership:
     """torchft's ``Manager`` for this process of one replica group (the group is this job's
     ``torch.distributed`` world): the quorum at each synchronisation, the process group between the same
-    rank of every group, reconfigured as groups leave and join, the commit vote (every rank of every group),
+    rank of every group, reconfigured as groups leave and join, the commit vote (every rank of this group),
     and the state a joining group receives (each rank its own, from the same rank of a live group)."""
 
     def __init__(self, config: FaultTolerance, state_dict: Callable[[], dict[str, Any]],
@@ -230,7 +247,9 @@ def row_blocks(shape: tuple[int, ...], ranks: int) -> list[RowBlock]:
 class FaultTolerantLoop(LocalUpdateLoop):
     """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` whose synchronisations go through a torchft
     quorum: the exchange runs over the quorum's process group (:class:`ReconfigurableDriver`), the average is
-    over the participants, and the outer step is applied only when every participant's exchange succeeded.
+    over the participants, and the outer step is applied only when every rank of this group exchanged
+    successfully (torchft's vote is per group: one that rolled back while others committed heals from them at
+    the next quorum).
 
     At construction the group joins: with every group at step 0 (a fresh start) the quorum only agrees on the
     initial weights (torchft copies the first group's to the others); a group that joins a running job
@@ -266,6 +285,11 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self._participants = 1
         self._failed: Optional[BaseException] = None
         self._quorum_taken = False
+        #: the synchronisation whose quorum this group takes (fragment, merge_at): a group that heals there
+        #: receives it and takes part in the same one
+        self._syncing: Optional[tuple[int, int]] = None
+        #: whether this group healed from a running job when it joined (a checkpoint's outer state is then stale)
+        self.joined_running_job = False
         self._join()
 
     def _join(self) -> None:
@@ -281,15 +305,14 @@ class FaultTolerantLoop(LocalUpdateLoop):
             if self.blocks is not None:
                 self._equalise_group()
             return
-        # a running job's synchronisation, of the fragment(s) its schedule starts at the position received
-        # (at the others' final sync(): those whose parameters moved since their last merge): take part
+        # a running job's synchronisation, the one the others are starting (received with the state): take
+        # part, with a zero outer gradient, and merge it when they do (at once, or after `delay` steps)
+        self.joined_running_job = True
         now = self.outer.optimizer_steps
-        fragments = (self.outer.starting_at(now) or
-                     [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)])
-        for fragment in fragments:
-            pending = self._begin(fragment, now + self.outer.delay)
-            if self.outer.delay == 0:
-                self._complete(pending)  # else merged by the schedule, as the others merge theirs
+        fragment, merge_in = self._received_syncing or (0, self.outer.delay)
+        pending = self._begin(fragment, now + merge_in)
+        if merge_in == 0:
+            self._complete(pending)
 
     def _take_quorum(self) -> None:
         # the last synchronisation's figures are closed among the groups that made them: bytes depend on the
@@ -306,7 +329,15 @@ class FaultTolerantLoop(LocalUpdateLoop):
     def _shared_state(self) -> dict[str, Any]:
         """θ_global, the outer optimizer's state and the schedule position (torchft's checkpoint transport
         sends it to a group that heals)."""
-        return {"outer": self.outer.state_dict(), "global_buffers": self.global_buffers.state_dict()}
+        syncing = None
+        if self._syncing is not None:  # which synchronisation this quorum is for, and when it merges
+            fragment, merge_at = self._syncing
+            syncing = (fragment, merge_at - self.outer.optimizer_steps)
+        return {"outer": self.outer.state_dict(), "global_buffers": self.global_buffers.state_dict(),
+                "syncing": syncing}
+
+    #: the synchronisation the peer that sent the state was starting (fragment, steps until its merge)
+    _received_syncing: Optional[tuple[int, int]] = None
 
     @torch.no_grad()
     def _receive_state(self, state: dict[str, Any]) -> None:
@@ -316,17 +347,21 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self.global_buffers.load_state_dict(state.get("global_buffers"))
         self.adopt_global()
         self.exchange.memory.clear()
+        self._received_syncing = tuple(state["syncing"]) if state.get("syncing") is not None else None
 
     # ------------------------------------------------------------------ a synchronisation
     @torch.no_grad()
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
+        self._syncing = (fragment, merge_at)
         if not self._quorum_taken:
             self._take_quorum()
         self._quorum_taken = False
+        self._syncing = None
         if self._failed is None:
             try:
+                self._agree(fragment)
                 return super()._start(fragment, merge_at)
-            except CollectiveError as error:  # a group died during the exchange: every group rolls back
+            except CollectiveError as error:  # a group died during the exchange: this group votes no
                 self._failed = error
                 self.membership.report_error(error)
         # nothing to apply; the group's ranks still share their (zero) parts below, every rank alike
@@ -346,6 +381,25 @@ class FaultTolerantLoop(LocalUpdateLoop):
             glob.copy_(param.detach())
         for fragment in range(self.outer.fragments):
             self.global_buffers.record(fragment, [buffer for _, buffer in self.buffers])
+
+    def _agree(self, fragment: int) -> None:
+        """Check that every participant exchanges the same thing now (one small all-gather): the fragment, the
+        elements this rank exchanges and its group's number of processes. Groups of different sizes, or a
+        group joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo
+        aborts the process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback."""
+        members = self.outer.members(fragment)
+        if self.blocks is not None:
+            rank = dist.get_rank()
+            elements = sum(self.blocks[i][rank].stop - self.blocks[i][rank].start for i in members)
+        else:
+            elements = sum(self.params[i].numel() for i in members)
+        mine = torch.tensor([fragment, elements, dist.get_world_size()], dtype=torch.int64)
+        everyone = self.driver.all_gather(mine)
+        if not bool((everyone == mine).all()):
+            raise CollectiveError(
+                "the replica groups disagree on this synchronisation (rows: fragment, elements exchanged by this "
+                f"rank, processes per group): {everyone.tolist()}; every group needs the same number of processes, "
+                "model, sync_every and fragments")
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[torch.Tensor],
                           outs: Sequence[torch.Tensor]) -> list[Entry]:
@@ -381,9 +435,10 @@ class FaultTolerantLoop(LocalUpdateLoop):
             if owner == fragment:
                 dist.broadcast(buffer, 0)
 
-    @torch.no_grad()
-    def _merge(self, pending: PendingSync) -> None:
-        for future in pending.futures:  # an overlapped exchange (delay > 0): its failure is this group's vote
+    def _settle(self, pending: PendingSync) -> None:
+        """Wait for an overlapped exchange (``delay > 0``); its failure is this group's vote (no), and what
+        arrived is replaced by zeros (shared inside the group alike, applied nowhere)."""
+        for future in pending.futures:
             try:
                 future.wait()
             except CollectiveError as error:
@@ -391,12 +446,34 @@ class FaultTolerantLoop(LocalUpdateLoop):
                     self._failed = error
                     self.membership.report_error(error)
         pending.futures = []
-        if self._failed is not None:  # what arrived is incomplete: share zeros inside the group, apply nothing
+        if self._failed is not None:
             for averaged in pending.averaged:
                 averaged.zero_()
+
+    def state_dict(self, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
+        """The loop's checkpoint entry; an overlapped exchange in flight is waited for first, a failed one
+        recorded as this group's vote (as at its merge) instead of raising."""
+        for pending in self.pending:
+            self._settle(pending)
+        return super().state_dict(optimizers)
+
+    def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Any] = ()) -> None:
+        """A checkpoint of this group, unless it joined a running job: then the state it healed from the
+        others (θ_global, the outer state, the schedule position) is newer, and the checkpoint's local-update
+        state is dropped with a warning."""
+        if self.joined_running_job:
+            warnings.warn("gradcomp: this replica group joined a running job and received θ_global and the schedule "
+                          "position from a live group; the checkpoint's local-update state (older) is not loaded",
+                          UserWarning, stacklevel=2)
+            return
+        super().load_state_dict(state, optimizers)
+
+    @torch.no_grad()
+    def _merge(self, pending: PendingSync) -> None:
+        self._settle(pending)
         if self.blocks is not None:
             self._share_within_group(pending)
-        committed = self.membership.should_commit()  # every group votes, a failed one says no
+        committed = self.membership.should_commit()  # every rank of this group votes, a failed one says no
         if committed and self._failed is None:
             scale = self.driver.world_size / self._participants  # the engine averaged over the group's size
             if scale != 1.0:
@@ -410,7 +487,10 @@ class FaultTolerantLoop(LocalUpdateLoop):
                       "and the inner steps since its last synchronisation are dropped", RuntimeWarning, stacklevel=3)
         self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
         self.global_buffers.copy_into([buffer for _, buffer in self.buffers], pending.fragment)
-        self.exchange.memory.residuals.clear()  # their last update may hold the dropped window
+        for index in self.outer.members(pending.fragment):  # their last update may hold the dropped window
+            residual = self.exchange.memory.residuals.get(self.names[index])
+            if residual is not None:
+                residual.zero_()  # in place: it may be a view of its bucket's flat residual
         self.synced = True
 
     def shutdown(self) -> None:

@@ -338,14 +338,16 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
                          "group=None")
     global_device = check_global_device(global_device)
     torchft_module()
+    fault_tolerance = fault_tolerance.for_group()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     if ddp_inside:
         broadcast_from_first_rank(model)  # the group's replicas start equal, wrapped in DDP now or later
     device = next(model.parameters()).device
     names = {id(p): name for name, p in model.named_parameters()}
+    # no exchange thread of its own: the loop runs the overlapped exchanges (delay > 0) on torchft's group
     hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                                   seed=seed, exchange_thread=config.delay > 0, device=device)
+                                   seed=seed, exchange_thread=False, device=device)
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     if layout is not None:
         hook_state.layout = layout

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-in-sync", type=int, default=None,
                         help="leave right after joining the quorum of synchronisation K, before its exchange")
+    parser.add_argument("--disagree-in-sync", type=int, default=None,
+                        help="claim another fragment in the agreement check of synchronisation K (once)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a longer inner step (the digits MLP's takes 1 ms)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -69,6 +71,16 @@ def main() -> None:
             return taken
 
         loop.membership.quorum = quorum_then_die
+    if args.disagree_in_sync is not None:  # every participant's check fails: all roll that synchronisation back
+        agree, disagreed = loop._agree, []
+
+        def agree_or_not(fragment: int) -> None:
+            if loop.outer.syncs + 1 == args.disagree_in_sync and not disagreed:
+                disagreed.append(True)
+                fragment += 1
+            agree(fragment)
+
+        loop._agree = agree_or_not
     result: dict = {"losses": [], "global": {}, "first_step": loop.outer.optimizer_steps}
 
     def keep_global() -> None:
