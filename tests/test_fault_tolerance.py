@@ -211,23 +211,29 @@ def test_trainer_groups_of_two_ddp_processes_survive_a_lost_group_and_shuffle_th
     assert seeds[0] == seeds[1] != seeds[2] == seeds[3], seeds
 
 
+def _two_groups(script: str, tmp_path: Path, name: str, *args: str) -> list[tuple[int, str]]:
+    """Two replica groups of ``script`` with ``args`` (their own ``MASTER_PORT`` each, ``--out`` tmp_path/<name><r>),
+    joined by a lighthouse of ``min_replicas=2`` started here; their exit codes and outputs."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    try:
+        runs = [ScriptRun(SCRIPTS / script, ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
+                                             str(tmp_path / f"{name}{r}"), *args], tmp_path,
+                          dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+                for r in range(2)]
+        return [run.wait(timeout=180) for run in runs]
+    finally:
+        lighthouse.shutdown()
+
+
 def test_trainer_groups_of_two_fsdp2_shards_exchange_their_shards(tmp_path: Path) -> None:
     """Two Trainers of ``GradCompFSDPStrategy(local_updates=4, fault_tolerance=...)`` on 2 processes each (the
     group's processes shard the model): every synchronisation committed with both groups, each rank's shard
     equal to the same rank's of the other group at the end; the summary reports the quorums."""
     pytest.importorskip("torchft")
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
-    try:
-        runs = [ScriptRun(SCRIPTS / "ft_trainer.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
-                                                      str(tmp_path / f"fsdp{r}"), "--steps", "24", "--step-seconds",
-                                                      "0.02", "--devices", "2", "--fsdp"], tmp_path,
-                          dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
-                for r in range(2)]
-        outcomes = [run.wait(timeout=180) for run in runs]
-    finally:
-        lighthouse.shutdown()
+    outcomes = _two_groups("ft_trainer.py", tmp_path, "fsdp", "--steps", "24", "--step-seconds", "0.02", "--devices",
+                           "2", "--fsdp")
     for code, output in outcomes:
         assert code == 0, output[-4000:]
         assert "fault tolerance: 6 synchronisations, 6 committed" in output, output[-3000:]
@@ -246,17 +252,7 @@ def test_fabric_replica_groups_train_in_step_and_end_equal(tmp_path: Path) -> No
     fault_tolerance=...)`` with SparseLoCo (top-k of each rank's row blocks): 5 synchronisations, every one
     committed with both groups, the same weights at the end on all four processes."""
     pytest.importorskip("torchft")
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
-    try:
-        runs = [ScriptRun(SCRIPTS / "ft_fabric.py", ["--replica", str(r), "--lighthouse", lighthouse.address(), "--out",
-                                                     str(tmp_path / f"fabric{r}"), "--devices", "2"], tmp_path,
-                          dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
-                for r in range(2)]
-        outcomes = [run.wait(timeout=180) for run in runs]
-    finally:
-        lighthouse.shutdown()
+    outcomes = _two_groups("ft_fabric.py", tmp_path, "fabric", "--devices", "2")
     for code, output in outcomes:
         assert code == 0, output[-4000:]
     results = [torch.load(tmp_path / name, weights_only=False)

@@ -17,7 +17,6 @@ Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subcl
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -43,6 +42,7 @@ from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_fault_tolerance,
+    group_sampler_kwargs,
     check_process_group_backend,
     check_start_method,
     check_timeout,
@@ -164,13 +164,8 @@ class GradCompFabricStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """DDP's; under fault tolerance each replica group shuffles with its own seed
-        (:meth:`~lightning_gradcomp.FaultTolerance.data_seed`), so that groups started from the same script
-        do not train on the same batches."""
-        kwargs = super().distributed_sampler_kwargs
-        if self.fault_tolerance is not None:
-            kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
-        return kwargs
+        """DDP's, with each replica group's own shuffling seed under fault tolerance (:func:`group_sampler_kwargs`)."""
+        return group_sampler_kwargs(super().distributed_sampler_kwargs, self.fault_tolerance)
 
     @override
     def setup_environment(self) -> None:

@@ -23,7 +23,6 @@ rank's exchange state under ``checkpoint["gradcomp"]``.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -51,6 +50,7 @@ from lightning_gradcomp.fsdp.local_updates import attach_fault_tolerant_sharded,
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.options import (
     check_fault_tolerance,
+    group_sampler_kwargs,
     check_fit_setup,
     check_gradient_clipping,
     check_process_group_backend,
@@ -261,10 +261,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         """Every process its own share of the data (replicas and shards alike are data parallel); under
         fault tolerance each replica group shuffles with its own seed (see
         :meth:`~lightning_gradcomp.FaultTolerance.data_seed`)."""
-        kwargs: dict[str, Any] = {"num_replicas": self.world_size, "rank": self.global_rank}
-        if self.fault_tolerance is not None:
-            kwargs["seed"] = self.fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
-        return kwargs
+        return group_sampler_kwargs({"num_replicas": self.world_size, "rank": self.global_rank}, self.fault_tolerance)
 
     # ------------------------------------------------------------------ sharding and the exchange
     @override

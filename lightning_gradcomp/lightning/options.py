@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -181,6 +182,15 @@ def local_update_ddp_kwargs(kwargs: dict[str, Any], hierarchy: str, exchange_thr
                          "(the default under local updates) or unset")
     # buffers are made equal once, when DDP wraps the model, and never in forward
     return {**kwargs, _NO_FORWARD_BUFFER_SYNC: False}
+
+
+def group_sampler_kwargs(kwargs: dict[str, Any], fault_tolerance: Optional[FaultTolerance]) -> dict[str, Any]:
+    """A strategy's ``distributed_sampler_kwargs``; under fault tolerance with the group's own shuffling seed
+    (:meth:`~lightning_gradcomp.FaultTolerance.data_seed` of the run's seed), so that groups started from the
+    same script do not train on the same batches."""
+    if fault_tolerance is not None:
+        kwargs["seed"] = fault_tolerance.data_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+    return kwargs
 
 
 def check_fault_tolerance(value: Any, local_updates: Optional[LocalUpdates]) -> Optional[FaultTolerance]:
