@@ -483,7 +483,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self.pending.remove(pending)
         reason = self._failed or "another replica group failed"
         warnings.warn(f"gradcomp: synchronisation {self.outer.syncs + 1} (fragment {pending.fragment}) was rolled back "
-                      f"({reason}); every replica group restarts this fragment from its unchanged global parameters "
+                      f"({reason}); this replica group restarts this fragment from its unchanged global parameters "
                       "and the inner steps since its last synchronisation are dropped", RuntimeWarning, stacklevel=3)
         self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
         self.global_buffers.copy_into([buffer for _, buffer in self.buffers], pending.fragment)
