@@ -72,6 +72,8 @@ def test_a_lost_group_costs_its_window_and_a_replacement_receives_theta_global(c
     # the replacement joined at one of the survivors' synchronisations: it held their θ_global there
     joined_at = min(joined["global"])
     assert 3 <= joined_at < syncs and joined["heals"] == 1 and joined["first_step"] % stride == 0, joined_at
+    # its summary's per-step figures cover the steps it ran, not the job's
+    assert f"in {STEPS - joined['first_step']} optimizer steps" in joined["summary"], joined["summary"]
     for result in survivors:
         assert all(torch.equal(a, b) for a, b in zip(joined["global"][joined_at], result["global"][joined_at]))
     # and every group ends on the same θ_global (and, when the run ends on a whole model's merge, parameters)

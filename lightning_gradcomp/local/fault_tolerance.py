@@ -167,12 +167,17 @@ class Membership:
         self.figures = MembershipFigures()
         self.group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config.timeout))
         store = _store_address()
-        self.manager = torchft.Manager(
-            pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=load_state_dict,
-            state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1],
-            rank=dist.get_rank(), world_size=dist.get_world_size(), lighthouse_addr=config.address, timeout=timedelta(seconds=config.timeout),
-            quorum_timeout=timedelta(seconds=config.quorum_timeout),
-            connect_timeout=timedelta(seconds=config.connect_timeout))
+        try:
+            self.manager = torchft.Manager(
+                pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=load_state_dict,
+                state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1],
+                rank=dist.get_rank(), world_size=dist.get_world_size(), lighthouse_addr=config.address,
+                timeout=timedelta(seconds=config.timeout), quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timedelta(seconds=config.connect_timeout))
+        except Exception as error:  # the lighthouse (or this group's manager on rank 0) cannot be reached
+            raise RuntimeError(f"gradcomp: could not reach the torchft lighthouse at {config.address} (FaultTolerance("
+                               f"lighthouse=...) or TORCHFT_LIGHTHOUSE) within connect_timeout={config.connect_timeout:g} "
+                               f"s: {error}; is `torchft_lighthouse` running there, and reachable from this host?") from error
         self._last_participants = 0
 
     def quorum(self) -> tuple[Any, int]:
@@ -291,6 +296,8 @@ class FaultTolerantLoop(LocalUpdateLoop):
         #: whether this group healed from a running job when it joined (a checkpoint's outer state is then stale)
         self.joined_running_job = False
         self._join()
+        #: the schedule position when this group joined (0 at a fresh start)
+        self.joined_at_step = self.outer.optimizer_steps
 
     def _join(self) -> None:
         self._take_quorum()  # a group behind the others heals here (_receive_state)
@@ -313,6 +320,10 @@ class FaultTolerantLoop(LocalUpdateLoop):
         pending = self._begin(fragment, now + merge_in)
         if merge_in == 0:
             self._complete(pending)
+
+    @property
+    def steps_taken_here(self) -> int:
+        return self.outer.optimizer_steps - self.joined_at_step
 
     def _take_quorum(self) -> None:
         # the last synchronisation's figures are closed among the groups that made them: bytes depend on the

@@ -145,7 +145,7 @@ class LocalUpdateHandle(GradCompHandle):
     def _optimizer_steps(self) -> Optional[int]:
         """The summary's bytes are per optimizer step too (the exchanges in flight counted first)."""
         self.loop.close()
-        return self.loop.outer.optimizer_steps
+        return self.loop.steps_taken_here
 
     def bind(self, optimizer: Optimizer) -> None:
         """Refused: the compressor of local updates compresses outer gradients, and the inner optimizers are

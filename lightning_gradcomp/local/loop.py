@@ -80,6 +80,12 @@ class ScheduledSyncs:
     #: ``θ_global`` shown in the module (:meth:`global_weights`), ``None`` while the replica is
     _view: Optional[Union[SwappedIn, CopiedIn]] = None
 
+    @property
+    def steps_taken_here(self) -> int:
+        """The inner steps this rank's exchanges covered, for the summary's per-step figures: the schedule
+        position (a fault-tolerant group that joined a running job counts from its join)."""
+        return self.outer.optimizer_steps
+
     def step(self) -> bool:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
         is. Whether a synchronisation was merged."""
