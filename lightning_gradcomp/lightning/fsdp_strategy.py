@@ -233,9 +233,8 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         LightningModule (``self.device_mesh`` in ``configure_model``)."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        if self.fault_tolerance is not None:  # one group name for every process (its samplers' seed)
-            self.fault_tolerance = self.fault_tolerance.for_group()
         if self.fault_tolerance is not None:  # this job is one replica group, sharded over all its processes
+            self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
             if self.shard_size not in (None, self.world_size):
                 raise ValueError(f"GradCompFSDPStrategy(fault_tolerance=...): this job is one replica group, its "
                                  f"{self.world_size} processes shard the model and torchft joins the groups; allowed: "

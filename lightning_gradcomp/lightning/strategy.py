@@ -183,7 +183,10 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
 
     @property
     def compression_workers(self) -> int:
-        """The number of workers exchanging compressed gradients (the world size)."""
+        """The number of workers exchanging compressed gradients: the world size (under fault tolerance: the
+        replica groups of the last quorum)."""
+        if isinstance(self.local_loop, FaultTolerantLoop):
+            return self.local_loop.driver.world_size
         return self.world_size
 
     @property
