@@ -65,7 +65,7 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
         rows = [
             ("compressor", compressor),
             ("workers, syncs", f"{workers}, {steps} synchronisations in {optimizer_steps} optimizer steps"),
-            ("bytes sent / worker", f"{_bytes(totals.bytes_sent)} (per-step DDP fp32: {_bytes(per_step_ddp)})"),
+            ("bytes sent / worker", f"{_bytes(totals.bytes_sent)} (DDP fp32 exchanging every step: {_bytes(per_step_ddp)})"),
             ("per optimizer step", f"{_bytes(totals.bytes_sent / max(optimizer_steps, 1))}: {against}"),
             ("vs uncompressed DiLoCo", f"{totals.compression_ratio:.1f}x" if totals.bytes_sent else "n/a"),
         ]
