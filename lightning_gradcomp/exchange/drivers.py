@@ -44,6 +44,14 @@ from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Col
 from lightning_gradcomp.metrics.stats import collective_bytes_sent
 
 
+def world_collective_device() -> torch.device:
+    """Where a collective of the default group takes its tensors: the current GPU on NCCL (the parameters
+    may be offloaded to the CPU), else the CPU."""
+    if dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class CollectiveError(RuntimeError):
     """A collective of the compressed exchange failed (a peer died, closed its connection or timed out)."""
 

@@ -41,6 +41,7 @@ from lightning_gradcomp.ddp.checkpoint import (
 )
 from lightning_gradcomp.ddp.handle import GradCompHandle, OptimizerWatch, warn_if_unbound
 from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.drivers import world_collective_device
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
 
 #: the mesh dimensions :func:`register_fsdp` expects, outer to inner
@@ -110,14 +111,6 @@ class FSDPHandle(GradCompHandle):
 
     def _collective_device(self) -> torch.device:
         return world_collective_device()
-
-
-def world_collective_device() -> torch.device:
-    """Where the world's backend all-reduces the summary's figures: the current GPU on NCCL (the parameters
-    may be offloaded to the CPU), else the CPU."""
-    if dist.get_backend() == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def register_fsdp(

@@ -45,8 +45,8 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.hook import GradCompHookState
-from lightning_gradcomp.exchange.drivers import CollectiveError
-from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules, world_collective_device
+from lightning_gradcomp.exchange.drivers import CollectiveError, world_collective_device
+from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
 from lightning_gradcomp.local.global_model import CopiedIn

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gradcomp.ddp.hook import GradCompHookState
-from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver
+from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver, world_collective_device
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync
@@ -426,7 +426,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         the same rank of the other groups; each broadcasts their averages inside the group, so that every rank
         steps θ_global alike (DDP keeps the replicas equal, so the group's Δ is the same on each rank)."""
         indices = self.outer.members(pending.fragment)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = world_collective_device()
         for rank in range(dist.get_world_size()):
             parts = [averaged[block.start:block.stop] for index, averaged in zip(indices, pending.averaged)
                      for block in [self.blocks[index][rank]] if block.stop > block.start]
