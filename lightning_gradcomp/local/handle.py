@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import warnings
 from datetime import timedelta
-from typing import Any, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,10 @@ class LocalUpdateHandle(GradCompHandle):
         self._counted_by_hook = False  # the last optimizer step was counted by the hook, not yet by step()
         self._last_synced = False
         self._hook: Optional[Any] = None
-        #: whether a DistributedDataParallel wrapper of the model made later is still to be refused (at the
-        #: first step; :func:`local_updates`: the model must not be driven through DDP)
-        self._wrappers_checked = not refuse_ddp
+        #: the check of the model's DistributedDataParallel wrappers still due at the first step (one made after
+        #: :func:`local_updates`): refused (the model must not be driven through DDP), or, for a fault-tolerant
+        #: group of several processes, required (:attr:`wrapper_check`)
+        self.wrapper_check: Optional[Callable[[torch.nn.Module], None]] = refuse_gradient_all_reduce if refuse_ddp else None
 
     @property
     def optimizer_steps(self) -> int:
@@ -106,9 +107,9 @@ class LocalUpdateHandle(GradCompHandle):
         return self._step()
 
     def _step(self) -> bool:
-        if not self._wrappers_checked:  # a DistributedDataParallel made after local_updates()
-            self._wrappers_checked = True
-            refuse_gradient_all_reduce(self.loop.module)
+        if self.wrapper_check is not None:  # a DistributedDataParallel made after local_updates()
+            check, self.wrapper_check = self.wrapper_check, None
+            check(self.loop.module)
         return self.loop.step()
 
     def _stop_counting_optimizer_steps(self) -> bool:
@@ -214,15 +215,6 @@ class FaultTolerantHandle(LocalUpdateHandle):
 
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
         return None  # this job alone: the groups' processes do not all-reduce outside a synchronisation
-
-    #: whether the group's processes must train the model under DistributedDataParallel (checked at the first step)
-    requires_ddp = False
-
-    def _step(self) -> bool:
-        if self.requires_ddp:
-            self.requires_ddp = False
-            require_gradient_all_reduce(self.loop.module)
-        return super()._step()
 
     def _exchange_workers(self) -> int:
         return self.loop.driver.world_size
@@ -353,7 +345,8 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         hook_state.layout = layout
     loop = loop_class(model, config, hook_state, fault_tolerance, global_device=global_device)
     handle = FaultTolerantHandle(loop, optimizers, device)
-    handle.requires_ddp = ddp_inside
+    if ddp_inside:
+        handle.wrapper_check = require_gradient_all_reduce
     handle.checkpoint_group = checkpoint_group(None, timeout)
     if optimizers:
         handle.count_optimizer_steps(optimizers[0])
