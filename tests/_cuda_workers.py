@@ -137,7 +137,7 @@ def check_nccl_checkpoint_gathers_on_the_host(rank: int, world_size: int) -> Non
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     steps(model, ddp, optimizer, batches[:4])
     entry = handle.state_dict()
-    assert dist.get_backend(handle.hook_state._cpu_group) == "gloo"
+    assert dist.get_backend(handle.checkpoint_group) == "gloo"  # the gather runs on the host
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     assert all(t.device.type == "cpu" for r in entry["ranks"] for t in r["memory"]["residuals"].values())
     steps(model, ddp, optimizer, batches[4:])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.fsdp
 
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.core.tensors import index_sum_, row_scatter_sum_
@@ -28,6 +29,11 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NAMES = sorted(COMPRESSORS)
+#: register_fsdp needs FSDPModule.set_reduce_scatter_unused_params (torch 2.14 has it; 2.11 does not) and
+#: refuses an older torch with a message saying so
+_fsdp_hooks = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "FSDPModule") or not hasattr(
+    torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params"),
+    reason="compressed HSDP needs FSDPModule.set_reduce_scatter_unused_params (a newer torch)")
 #: Compressors whose draws are per rank on the device's generator (QSGD's and TernGrad's rounding
 #: noise): on CUDA they draw other numbers than on CPU, by design (each rank's noise is its own).
 DEVICE_NOISE = {"qsgd", "terngrad"}
@@ -106,12 +112,14 @@ def test_four_gloo_ranks_with_cuda_tensors() -> None:
 
 
 @pytest.mark.multiprocess
+@_fsdp_hooks
 def test_compressed_hsdp_on_nccl_has_no_host_synchronisation() -> None:
     """register_fsdp's hook on FSDP2's all-reduce stream (issue 37)."""
     workers.run_on_gpu(workers.check_compressed_hsdp_without_host_sync, 1, "nccl")
 
 
 @pytest.mark.multiprocess
+@_fsdp_hooks
 def test_sharded_local_updates_on_nccl_with_global_weights_on_the_gpu_or_the_host() -> None:
     """Local updates on FSDP2 shards (issue 38): θ_global on the GPU and in pinned host memory agree."""
     workers.run_on_gpu(workers.check_sharded_local_updates_on_nccl, 1, "nccl")

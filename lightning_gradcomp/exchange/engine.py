@@ -357,10 +357,10 @@ class BucketVerdict:
         for out in outs:
             by_dtype.setdefault(out.dtype, []).append(out)
         for dtype, group in by_dtype.items():
-            flag = summed.to(dtype)
-            # CUDA's multi-tensor add takes a device scalar without reading it; elsewhere that overload
-            # reads it on the host, so every tensor gets its own (0-d) operand
-            torch._foreach_add_(group, flag if flag.device.type == "cuda" else [flag] * len(group))
+            # ``alpha=`` selects the multi-tensor add's Tensor overload, which takes the 0-d device flag
+            # without reading it; without it, Python's argument parser picks the Scalar overload first and
+            # reads the flag on the host (``aten._local_scalar_dense``: one host synchronisation per bucket)
+            torch._foreach_add_(group, summed.to(dtype), alpha=1)
 
 
 _FLAG_VALUES: dict[str, tuple[Tensor, Tensor]] = {}
