@@ -37,12 +37,12 @@ from lightning_gradcomp.compressors import (
     TopK,
     get_compressor,
 )
-from lightning_gradcomp.ddp.checkpoint import CheckpointTimeout
+from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.drivers import CollectiveError
-from lightning_gradcomp.fsdp import FSDPHandle, local_updates, register_fsdp
-from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates
+from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
+from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates, local_updates
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 

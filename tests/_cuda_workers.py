@@ -14,6 +14,7 @@ from torch import nn
 import lightning_gradcomp
 from lightning_gradcomp.compressors import COMPRESSORS, TopK
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
+from lightning_gradcomp.exchange.session import ExchangeSession
 
 from tests._processes import free_port
 from tests._sync_workers import fixed_size_variants
@@ -174,16 +175,15 @@ def simulate(name: str, device: str, steps: int = 3, workers: int = 2) -> list[d
 
 # ---------------------------------------------------------------- issue 40: streams, threads, communicators
 def check_overlapped_exchange_while_the_default_stream_allocates(rank: int, world_size: int) -> None:
-    """Many 1 MB buckets of outer gradients exchanged on the exchange thread (``exchange_later``) while the
+    """Many 1 MB buckets of outer gradients exchanged on the exchange thread (``exchange(..., overlap=True)``) while the
     default stream allocates and overwrites memory of the same sizes (an inner step's new tensors): equal to
-    ``exchange_now`` of the same inputs bit for bit. Without ``record_stream`` on the exchange stream the
+    the blocking ``exchange`` of the same inputs bit for bit. Without ``record_stream`` on the exchange stream the
     freed outer gradients' memory is handed to the default stream's next allocations while the exchange
     stream still reads it."""
     from lightning_gradcomp.exchange.engine import Entry
 
     def exchange(later: bool) -> list[torch.Tensor]:
-        state = GradCompHookState("int8", {}, exchange_thread=later, min_compress_numel=256,
-                                  device=torch.device("cuda"))
+        state = ExchangeSession("int8", exchange_thread=later, min_compress_numel=256, device=torch.device("cuda"))
         generator = torch.Generator(device="cuda").manual_seed(rank)
         outs, futures = [], []
         for number in range(48):
@@ -191,9 +191,9 @@ def check_overlapped_exchange_while_the_default_stream_allocates(rank: int, worl
             out = [torch.empty_like(grad) for grad in grads]
             entries = [Entry(f"b{number}.{i}", tuple(g.shape), g, o) for i, (g, o) in enumerate(zip(grads, out))]
             if later:
-                futures.append(state.exchange_later(entries, last=True))
+                futures.append(state.exchange(entries, last=True, overlap=True))
             else:
-                state.exchange_now(entries, last=True)
+                state.exchange(entries, last=True)
             del grads, entries  # freed at once on this stream: reused by the scribbles below
             for _ in range(4):
                 torch.full((2**18,), float("nan"), device="cuda").mul_(2)

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_gradcomp.core.device import accelerator_path
 from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange.engine import ExchangeEngine
+from lightning_gradcomp.exchange.session import ExchangeSession
 
 HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::nonzero_static"}
 
@@ -77,8 +78,8 @@ def checking_the_exchange() -> Iterator[None]:
     """Take the accelerator path and check, in every thread, the hook's entry point and every step of
     every bucket protocol for host reads."""
     bucket: Callable = ExchangeEngine.bucket
-    exchange: Callable = GradCompHookState.exchange
-    exchange_now: Callable = GradCompHookState.exchange_now  # register_fsdp's hook, local updates' syncs
+    exchange_bucket: Callable = GradCompHookState.exchange_bucket  # DDP's hook
+    exchange: Callable = ExchangeSession.exchange  # every mode's entry: register_fsdp's hook, local updates' syncs
     tolist: Callable = torch.Tensor.tolist
 
     def checked_tolist(self: torch.Tensor) -> Any:
@@ -89,24 +90,24 @@ def checking_the_exchange() -> Iterator[None]:
     def checked_bucket(self: ExchangeEngine, *args: Any, **kwargs: Any) -> Generator:
         return _checked_protocol(bucket(self, *args, **kwargs))
 
-    def checked_exchange(self: GradCompHookState, *args: Any, **kwargs: Any) -> Any:
+    def checked_exchange_bucket(self: GradCompHookState, *args: Any, **kwargs: Any) -> Any:
+        with no_host_reads():
+            return exchange_bucket(self, *args, **kwargs)
+
+    def checked_exchange(self: ExchangeSession, *args: Any, **kwargs: Any) -> Any:
         with no_host_reads():
             return exchange(self, *args, **kwargs)
-
-    def checked_exchange_now(self: GradCompHookState, *args: Any, **kwargs: Any) -> Any:
-        with no_host_reads():
-            return exchange_now(self, *args, **kwargs)
 
     with ExitStack() as stack:
         stack.enter_context(accelerator_path())
         ExchangeEngine.bucket = checked_bucket  # type: ignore[method-assign]
-        GradCompHookState.exchange = checked_exchange  # type: ignore[method-assign]
-        GradCompHookState.exchange_now = checked_exchange_now  # type: ignore[method-assign]
+        GradCompHookState.exchange_bucket = checked_exchange_bucket  # type: ignore[method-assign]
+        ExchangeSession.exchange = checked_exchange  # type: ignore[method-assign]
         torch.Tensor.tolist = checked_tolist  # type: ignore[method-assign]
         try:
             yield
         finally:
             ExchangeEngine.bucket = bucket  # type: ignore[method-assign]
-            GradCompHookState.exchange = exchange  # type: ignore[method-assign]
-            GradCompHookState.exchange_now = exchange_now  # type: ignore[method-assign]
+            GradCompHookState.exchange_bucket = exchange_bucket  # type: ignore[method-assign]
+            ExchangeSession.exchange = exchange  # type: ignore[method-assign]
             torch.Tensor.tolist = tolist  # type: ignore[method-assign]

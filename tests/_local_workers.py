@@ -238,7 +238,7 @@ def check_a_rank_0_only_state_dict_raises_with_advice(rank: int, world_size: int
     import pytest
     import torch.distributed as dist
 
-    from lightning_gradcomp.ddp.checkpoint import CheckpointTimeout
+    from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 
     model = small_model()
     optimizer = inner_optimizer(model)

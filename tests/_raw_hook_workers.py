@@ -69,7 +69,7 @@ def check_register_refuses_what_it_cannot_run(rank: int, world_size: int) -> Non
         with pytest.raises(ValueError, match=r"state_dict\(\) returns None on the other ranks.*map_location='cpu'"):
             handle.load_state_dict(entry)
     with pytest.raises(RuntimeError, match="python_reducer"):
-        handle.hook_state.exchange((torch.zeros(3), torch.zeros(3)))
+        handle.hook_state.exchange_bucket((torch.zeros(3), torch.zeros(3)))
     handle.close()
     from torch._dynamo import config as dynamo_config
 

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_gradcomp.ddp.hook import GradCompHookState
 from lightning_gradcomp.exchange import thread as thread_module
 from lightning_gradcomp.exchange.engine import Entry
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.local import local_updates
 
 from tests._local_workers import inner_optimizer, small_model
@@ -16,10 +16,10 @@ from tests._thread_workers import AllReduceInBackward
 
 
 def check_overlapped_exchange_hands_over_its_tensors(rank: int, world_size: int) -> None:
-    """``exchange_later`` hands every outer gradient and every output to the exchange thread (to be recorded
+    """An overlapped exchange (``exchange(..., overlap=True)``) hands every outer gradient and every output to the exchange thread (to be recorded
     on the exchange stream), and its future's value is the outputs (so that, on CUDA, waiting on it makes the
     waiter's stream wait for the exchange's writes)."""
-    state = GradCompHookState("topk", {}, exchange_thread=True, min_compress_numel=16)
+    state = ExchangeSession("topk", exchange_thread=True, min_compress_numel=16)
     handed: list[torch.Tensor] = []
     submit = thread_module.ExchangeThread.submit
 
@@ -32,7 +32,7 @@ def check_overlapped_exchange_hands_over_its_tensors(rank: int, world_size: int)
         grads = [torch.randn(64), torch.randn(8)]
         outs = [torch.empty(64), torch.empty(8)]
         entries = [Entry(f"w{i}", tuple(g.shape), g, out) for i, (g, out) in enumerate(zip(grads, outs))]
-        value = state.exchange_later(entries, last=True).wait()
+        value = state.exchange(entries, last=True, overlap=True).wait()
     finally:
         thread_module.ExchangeThread.submit = submit
         state.close()
@@ -50,10 +50,10 @@ def check_thread_refused_on_nccl_with_one_hardware_queue(rank: int, world_size: 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     dist.get_backend = lambda group=None: "nccl"
     try:
-        state = GradCompHookState("topk", {}, exchange_thread=None, device=torch.device("cuda"))
+        state = ExchangeSession("topk", exchange_thread=None, device=torch.device("cuda"))
         assert state.exchange_thread is False and state._thread_driver is None
         try:
-            GradCompHookState("topk", {}, exchange_thread=True)
+            ExchangeSession("topk", exchange_thread=True)
         except ValueError as error:
             assert "CUDA_DEVICE_MAX_CONNECTIONS" in str(error) and "exchange_thread" in str(error), error
         else:

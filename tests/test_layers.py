@@ -1,5 +1,6 @@
-"""The package's layers, read from its import graph: no module imports a higher layer (or a sibling
-package of its own layer), and nothing below the Lightning layer imports Lightning."""
+"""The package's layers, read from its import graph: no module imports a higher layer or a sibling package
+of its own layer (``ddp/``, ``fsdp/`` and ``local/`` are siblings over the exchange session), nothing below
+the Lightning layer imports Lightning, and no package's modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ LAYERS = {
     "compressors": 1,
     "metrics": 1,
     "exchange": 2,
-    "ddp": 3,
-    "local": 4,
-    "fsdp": 5,
-    "lightning": 6,
-    "tools": 7,
-    "examples": 7,
-    "": 8,  # the package root: public API, registration, public import paths
+    "ddp": 3,  # the three adapters over the exchange session, side by side
+    "fsdp": 3,
+    "local": 3,
+    "lightning": 4,
+    "tools": 5,
+    "examples": 5,
+    "": 6,  # the package root: public API, registration, public import paths
 }
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
 
@@ -77,3 +78,46 @@ def test_nothing_below_the_lightning_layer_imports_lightning() -> None:
             if imported.split(".")[0] in LIGHTNING:
                 wrong.append(f"{name} imports {imported}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_adapters_stand_side_by_side_over_the_exchange_session() -> None:
+    """The sibling rule by name, so that a change of the layer numbers cannot drop it."""
+    assert LAYERS["ddp"] == LAYERS["fsdp"] == LAYERS["local"] == LAYERS["exchange"] + 1
+
+
+def _module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports at module level or in a function (``from package import
+    module`` counted as the module)."""
+    found = set()
+    for imported in _imports(path):
+        if imported in modules:
+            found.add(imported)
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in modules}
+    found.discard(name)
+    return found
+
+
+def test_no_import_circle() -> None:
+    """No module reaches itself through imports (``TYPE_CHECKING`` imports included): a circle makes the
+    order of imports matter and hides which module is the lower one."""
+    modules = _modules()
+    graph = {name: {m for m in _module_imports(name, path, modules) if not m.endswith("__init__")}
+             for name, path in modules.items()}
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    circles = []
+    for start in sorted(graph):
+        if start in packages:
+            continue
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    circles.append(" -> ".join(path + [start]))
+                elif nxt not in seen and nxt not in packages:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert not circles, "\n".join(sorted(set(circles))[:10])

@@ -523,7 +523,7 @@ def test_a_rank_0_only_state_dict_raises_with_advice() -> None:
 
 
 def test_a_bad_timeout_names_the_parameter() -> None:
-    from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout
+    from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout
 
     for bad in (0, -1.0, "5", True):
         with pytest.raises(ValueError, match="`timeout` must be a positive timedelta or number of seconds"):

@@ -316,7 +316,7 @@ def check_register_rank_0_only_state_dict(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
     from lightning_gradcomp import register
-    from lightning_gradcomp.ddp.checkpoint import CheckpointTimeout
+    from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 
     with pytest.raises(ValueError, match="`timeout` must be a positive timedelta"):
         register(_ddp(), "topk", timeout=0)

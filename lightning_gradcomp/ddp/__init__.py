@@ -4,5 +4,5 @@
 * :mod:`~lightning_gradcomp.ddp.hierarchy` — the hierarchical hook (dense inside a node, compressed
   between nodes);
 * :mod:`~lightning_gradcomp.ddp.handle` — :func:`register` for a bare ``DistributedDataParallel``;
-* :mod:`~lightning_gradcomp.ddp.checkpoint` — the checkpoint entry every way in writes and reads.
+* :mod:`~lightning_gradcomp.exchange.checkpoint` — the checkpoint entry every way in writes and reads.
 """

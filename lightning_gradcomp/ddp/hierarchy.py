@@ -110,7 +110,7 @@ class HierarchicalHookState(GradCompHookState):
     def local_rank(self) -> int:
         return self.intra.rank
 
-    def exchange(self, bucket: dist.GradBucket) -> Future:
+    def exchange_bucket(self, bucket: dist.GradBucket) -> Future:
         """Dense inside the node, compressed between nodes (this rank's share), dense inside the node
         (on CUDA on the exchange stream, as the flat mode)."""
         self._close_step()
@@ -121,7 +121,7 @@ class HierarchicalHookState(GradCompHookState):
             self.intra.all_reduce(buffer)
             buffer.div_(self.local_size)
             shares = partition(entries, [entry.grad.numel() for entry in entries], self.local_size)
-            protocol = self._start(bucket, shares[self.local_rank])
+            protocol = self._begin(shares[self.local_rank], bucket.is_last())
             report = self.driver.run(protocol, device=device, stream=self.streams.get(device)).wait()
             zero_unowned(shares, self.local_rank)
             self.intra.all_reduce(buffer)

@@ -22,7 +22,7 @@ from lightning_gradcomp.metrics.tally import CollectiveTally
 @runtime_checkable
 class ExchangeState(Protocol):
     """The contract of ``strategy.hook_state``
-    (:class:`~lightning_gradcomp.ddp.hook.GradCompHookState`,
+    (:class:`~lightning_gradcomp.exchange.session.ExchangeSession`,
     :class:`~lightning_gradcomp.ddp.hierarchy.HierarchicalHookState`,
     :class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange`).
 

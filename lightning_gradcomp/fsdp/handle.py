@@ -33,31 +33,31 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import (
+from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, shard_layout
+from lightning_gradcomp.exchange.checkpoint import (
     check_checkpoint_timeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
-from lightning_gradcomp.ddp.handle import GradCompHandle, OptimizerWatch, warn_if_unbound
-from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import world_collective_device
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
 
 #: the mesh dimensions :func:`register_fsdp` expects, outer to inner
-MESH_DIMS = ("replicate", "shard")
 
 
-class FSDPHandle(GradCompHandle):
+class FSDPHandle(GradientHandle):
     """What :func:`register_fsdp` returns: the compressed exchange between the replicas of one sharded model
     on this rank (``step_stats``, ``totals``, ``summary()``, ``state_dict()``, ``load_state_dict()``,
-    ``failure``, ``use_compressor()``, ``bind()``; see :class:`~lightning_gradcomp.ddp.handle.GradCompHandle`).
+    ``failure``, ``use_compressor()``, ``bind()``; see :class:`~lightning_gradcomp.exchange.handle.ExchangeHandle`).
 
     Attributes:
         layouts: each FSDP parameter group's shard layout, in the order the modules were found.
     """
 
-    def __init__(self, hook_state: GradCompHookState, compressor: Compressor, device: torch.device,
+    def __init__(self, hook_state: ExchangeSession, compressor: Compressor, device: torch.device,
                  layouts: list[GroupLayout]) -> None:
         super().__init__(hook_state, compressor, device)
         self.layouts = layouts
@@ -72,16 +72,14 @@ class FSDPHandle(GradCompHandle):
             if not self._step_open:
                 self._step_open = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
-            if self.hook_state.compressor is not self._examined:
-                self._examined = self.hook_state.compressor
-                warn_if_unbound(self._examined)
+            self._check_bound()
             if reduce_output.is_cuda:
                 # FSDP allocated the shard on its reduce-scatter stream and may free it (a reduce dtype other
                 # than the parameters') right after the hook: keep the block from being reused before the
                 # exchange issued here on the all-reduce stream (the hook's current stream) has read it
                 reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
             try:
-                self.hook_state.exchange_now(layout.entries(reduce_output), last=False)
+                self.hook_state.exchange(layout.entries(reduce_output), last=False)
             except Exception as error:
                 if self.hook_state.failure is None:
                     self.hook_state.failure = error
@@ -142,20 +140,21 @@ def register_fsdp(
     against the compressor and bound (or call ``handle.bind(optimizer)``), and an fp16 ``GradScaler`` with
     error feedback is warned about.
     """
-    shard_group, replicate_group = _check_mesh(mesh)
-    modules = _fsdp_modules(model)
+    shard_group, replicate_group = check_mesh(mesh)
+    modules = fsdp_modules(model, "register_fsdp", hooks=True)
     names = {id(p): name for name, p in model.named_parameters()}
     layouts = []
     for module_name, module, param_group in modules:
-        _check_group(module_name, param_group, shard_group)
+        check_group(module_name, param_group, shard_group, "register_fsdp")
         _check_reduce_settings(module_name, param_group)
         layouts.append(group_layout(module_name, param_group, names))
     check_every_parameter_sharded(model, layouts)
     timeout = check_checkpoint_timeout(timeout)
     device = next(model.parameters()).device
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
-                                   exchange_thread=False, device=device)
+    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
+                                 min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
+                                 exchange_thread=False, device=device, caller="register_fsdp()",
+                                 settings={"shard layout": shard_layout(model)})
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     # residuals and state fit this mesh's shards only: a resume on another split drops them, saying so
     hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
@@ -206,61 +205,3 @@ def _compiled_autograd_active() -> bool:
         return False
     flag = getattr(compiled_autograd, "in_compiled_autograd_region", False)  # a module-level flag in torch 2.14
     return bool(flag() if callable(flag) else flag)
-
-
-def _check_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The shard and replicate groups of a ``("replicate", "shard")`` mesh, or a ``ValueError`` that says
-    what to pass."""
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"`mesh` must be a torch.distributed.device_mesh.DeviceMesh with dimensions {MESH_DIMS}, "
-                         f"got {type(mesh).__name__}")
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-        raise ValueError(
-            f"`mesh` must be 2-D with mesh_dim_names={MESH_DIMS} (replicas x shards, e.g. init_device_mesh('cuda', "
-            f"(nodes, gpus_per_node), mesh_dim_names={MESH_DIMS})), got {mesh.ndim}-D with names "
-            f"{mesh.mesh_dim_names}; a 1-D mesh has no replicas to compress between (use FSDP alone, or "
-            "register() with DDP)")
-    return mesh["shard"].get_group(), mesh["replicate"].get_group()
-
-
-def _fsdp_modules(model: torch.nn.Module, caller: str = "register_fsdp") -> list[tuple[str, Any, Any]]:
-    """``(name, module, parameter group)`` of every FSDP2 module under ``model`` that holds parameters
-    (``caller``: the function the errors name)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError as error:  # pragma: no cover - torch without FSDP2
-        raise ValueError(f"gradcomp: {caller} needs FSDP2 (torch.distributed.fsdp.fully_shard)") from error
-    for needed in ("set_all_reduce_hook", "set_reduce_scatter_unused_params"):
-        if not hasattr(FSDPModule, needed):  # pragma: no cover - older torch
-            raise ValueError(f"gradcomp: {caller} needs FSDPModule.{needed}, which this torch "
-                             f"({torch.__version__}) lacks; upgrade torch")
-    found = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        if len(groups) > 1:
-            raise ValueError(f"gradcomp: the FSDP module {name or 'root'} has {len(groups)} parameter groups "
-                             f"(fully_shard with shard_placement_fn and several meshes); {caller} needs one per "
-                             "module")
-        if groups:
-            found.append((name, module, groups[0]))
-    if not found:
-        raise ValueError(f"gradcomp: {caller} found no module sharded with FSDP2; apply "
-                         "fully_shard(module, mesh=mesh['shard']) to the model's blocks and to the model first")
-    return found
-
-
-def _check_group(name: str, param_group: Any, shard_group: dist.ProcessGroup, caller: str = "register_fsdp") -> None:
-    """Refuse a native HSDP module (a 2-D mesh in ``fully_shard``) and one sharded over another group."""
-    mesh_info = param_group.mesh_info
-    if getattr(param_group, "_is_hsdp", False) or hasattr(mesh_info, "replicate_process_group"):
-        raise ValueError(
-            f"gradcomp: {name or 'the root module'} was sharded with a 2-D mesh (native HSDP), whose replicas FSDP "
-            "all-reduces itself, dense; shard on the 1-D shard dimension instead: fully_shard(module, "
-            f"mesh=mesh['shard']), and {caller}(model, ..., mesh) exchanges between the replicas")
-    sharded_over = getattr(mesh_info, "shard_process_group", None)
-    if sharded_over is None or dist.get_process_group_ranks(sharded_over) != dist.get_process_group_ranks(shard_group):
-        raise ValueError(
-            f"gradcomp: {name or 'the root module'} is sharded over other ranks than mesh['shard'] of the mesh given "
-            f"to {caller}; shard every module with fully_shard(module, mesh=mesh['shard']) of that mesh")

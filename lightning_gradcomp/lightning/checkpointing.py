@@ -1,5 +1,5 @@
 """The compression state in Lightning checkpoints: stashed when Lightning loads one, restored when the
-exchange is built (the entry's format: :mod:`lightning_gradcomp.ddp.checkpoint`)."""
+exchange is built (the entry's format: :mod:`lightning_gradcomp.exchange.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, restore_entry
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, restore_entry
 
 
 class RestoresCompressionState:

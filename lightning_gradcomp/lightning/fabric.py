@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback

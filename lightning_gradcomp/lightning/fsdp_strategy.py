@@ -43,10 +43,11 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures
-from lightning_gradcomp.fsdp.handle import FSDPHandle, MESH_DIMS, register_fsdp
-from lightning_gradcomp.fsdp.local_updates import attach_fault_tolerant_sharded, attach_sharded
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
+from lightning_gradcomp.core.fsdp2 import MESH_DIMS
+from lightning_gradcomp.fsdp.handle import FSDPHandle, register_fsdp
+from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.options import (
     check_fault_tolerance,
@@ -115,7 +116,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo's fragments, ``delay``, ``alpha``): FSDP runs
             inside each replica every step, nothing crosses between replicas between synchronisations, and
             every ``H`` steps each rank's outer gradient of its local shard is exchanged with the same shard
-            of the other replicas through ``compressor`` (see :mod:`lightning_gradcomp.fsdp.local_updates`).
+            of the other replicas through ``compressor`` (see :mod:`lightning_gradcomp.local.sharded`).
             As with :class:`~lightning_gradcomp.GradCompStrategy`, validation, checkpoints' ``state_dict`` and
             the end of ``fit`` see ``θ_global`` (see :mod:`lightning_gradcomp.lightning.local_updates_fit`).
         global_device: with ``local_updates``, where each rank's shard of ``θ_global`` and of the outer
@@ -193,7 +194,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
 
     # ------------------------------------------------------------------ the exchange, as the callbacks see it
     @property
-    def hook_state(self) -> Optional[GradCompHookState]:
+    def hook_state(self) -> Optional[ExchangeSession]:
         """The running exchange state (:class:`~lightning_gradcomp.exchange.state.ExchangeState`), ``None``
         before ``fit`` sets the model up."""
         return self.gradcomp.hook_state if self.gradcomp is not None else None

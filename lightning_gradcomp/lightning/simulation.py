@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_int
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, pack
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, pack
 from lightning_gradcomp.ddp.hierarchy import check_hierarchy, local_average
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState

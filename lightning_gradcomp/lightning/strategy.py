@@ -20,10 +20,11 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, gather_entry
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, gather_entry
 from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
-from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook, no_communication_hook
+from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook, no_communication_hook
+from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.step_figures import (
@@ -168,7 +169,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             start_method=start_method,
             **kwargs,
         )
-        self.hook_state: Optional[GradCompHookState] = None
+        self.hook_state: Optional[ExchangeSession] = None
         self.local_loop: Optional[LocalUpdateLoop] = None
         self._pending_local: Optional[dict[str, Any]] = None
         self.step_stats = StepStats()
@@ -247,8 +248,9 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             # the overlapped exchanges (delay > 0) on a thread of their own group; under fault tolerance on
             # torchft's group (the loop hands it over)
             thread = self.local_updates.delay > 0 and self.fault_tolerance is None
-            self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device,
-                                                **{**options, "exchange_thread": thread})
+            self.hook_state = ExchangeSession(self.compressor, device=self.root_device,
+                                              **{**options, "exchange_thread": thread},
+                                              settings=self.local_updates.settings(), caller="GradCompStrategy")
             if self.fault_tolerance is not None:  # this Trainer is one replica group; the quorum is taken now
                 self.local_loop = FaultTolerantLoop(self.lightning_module, self.local_updates, self.hook_state,
                                                     self.fault_tolerance)
@@ -269,7 +271,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             self.hook_state = HierarchicalHookState(self.compressor, names, intra_group=intra, cross_group=cross,
                                                     **options)
         else:
-            self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device, **options)
+            self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device, **options,
+                                                caller="GradCompStrategy")
         self._restore_pending()
         self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 

@@ -1,13 +1,16 @@
 """Local-update training (DiLoCo and its family): workers take ``H`` optimizer steps alone, then exchange
-compressed outer gradients through the exchange engine. Plain PyTorch; the Lightning strategies build
+compressed outer gradients through the exchange session; whole models and FSDP2 shards alike. Plain PyTorch; the Lightning strategies build
 on it (``local_updates=`` of :class:`~lightning_gradcomp.GradCompStrategy`)."""
 
 from lightning_gradcomp.local.config import LocalUpdates, diloco_outer_optimizer
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import LocalUpdateHandle, local_updates
+from lightning_gradcomp.local.api import local_updates
+from lightning_gradcomp.local.handle import LocalUpdateHandle
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import OuterModel
+from lightning_gradcomp.local.sharded import ShardedLocalUpdateHandle, ShardedLocalUpdateLoop
 from lightning_gradcomp.local.simulated import SimulatedLocalUpdates
 
-__all__ = ["FaultTolerance", "LocalUpdateHandle", "LocalUpdateLoop", "LocalUpdates", "OuterModel", "SimulatedLocalUpdates",
-           "diloco_outer_optimizer", "local_updates"]
+__all__ = ["FaultTolerance", "LocalUpdateHandle", "LocalUpdateLoop", "LocalUpdates", "OuterModel",
+           "ShardedLocalUpdateHandle", "ShardedLocalUpdateLoop", "SimulatedLocalUpdates", "diloco_outer_optimizer",
+           "local_updates"]

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.core.checks import check_int
+from lightning_gradcomp.exchange.agreement import describe_optimizer_factory
 
 #: builds the outer optimizer from the global parameters, e.g. ``functools.partial(torch.optim.SGD, lr=1.0)``
 OuterOptimizerFactory = Callable[[Iterable[Tensor]], Optimizer]
@@ -133,6 +134,16 @@ class LocalUpdates:
             raise ValueError("`outer_optimizer` must be None (DiLoCo's Nesterov SGD) or a callable that builds a "
                              "torch.optim.Optimizer from the parameters, e.g. functools.partial(torch.optim.SGD, "
                              f"lr=1.0); got {self.outer_optimizer!r}")
+
+    def settings(self) -> dict[str, str]:
+        """What of the schedule shapes the exchange, as text the same on every rank (the ranks of an exchange
+        must agree on it: :func:`~lightning_gradcomp.exchange.agreement.check_agreement`)."""
+        fragments = self.fragments if isinstance(self.fragments, int) else [
+            [entry if isinstance(entry, str) else type(entry).__name__ for entry in fragment]
+            for fragment in self.fragments]
+        return {"sync_every": str(self.sync_every), "fragments": str(fragments), "delay": str(self.delay),
+                "alpha": str(self.alpha), "overlap": self.overlap,
+                "outer_optimizer": describe_optimizer_factory(self.outer_optimizer)}
 
     @property
     def fragment_count(self) -> int:

@@ -21,7 +21,7 @@ A whole model on a group of several processes (DDP inside the group, which keeps
 rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
 the other groups, and the averages are broadcast inside the group, so the bytes between groups are one
 model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
-model's ranks each exchange their shard (:class:`~lightning_gradcomp.fsdp.local_updates.FaultTolerantShardedLoop`).
+model's ranks each exchange their shard (:class:`~lightning_gradcomp.local.sharded.FaultTolerantShardedLoop`).
 
 A group that leaves takes its error-feedback residuals and compressor state with it; a group that joins
 starts with fresh ones. The sums and rescaling are the engine's, so every compressor works. Torchft's own
@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver, world_collective_device
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
@@ -277,7 +277,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
     #: model, kept equal inside the group by DistributedDataParallel, and they split the exchange
     shards_the_model = False
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
                  fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None) -> None:
         super().__init__(module, config, exchange, global_device=global_device)
         #: with a whole model on several processes: each parameter's row blocks, one per rank of the group

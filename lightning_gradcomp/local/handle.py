@@ -37,14 +37,14 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import (
+from lightning_gradcomp.exchange.checkpoint import (
     check_checkpoint_timeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
-from lightning_gradcomp.ddp.handle import GradCompHandle
-from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.handle import ExchangeHandle
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.fault_tolerance import (
     FaultTolerance,
@@ -55,7 +55,7 @@ from lightning_gradcomp.local.fault_tolerance import (
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 
 
-class LocalUpdateHandle(GradCompHandle):
+class LocalUpdateHandle(ExchangeHandle):
     """What :func:`local_updates` returns: this rank's outer loop, its figures and checkpoint.
 
     Attributes:
@@ -156,16 +156,13 @@ class LocalUpdateHandle(GradCompHandle):
                          "updates the compressor sends outer gradients to the outer optimizer (local_updates(..., "
                          "outer_optimizer=...)), and the inner optimizers need no binding")
 
-    def exchange(self, bucket: dist.GradBucket) -> Any:  # pragma: no cover - no DDP hook here
-        raise RuntimeError("gradcomp: local updates exchange outer gradients, not DDP buckets")
-
     def state_dict(self) -> Optional[dict[str, Any]]:
         """Every rank's residuals, parameters, inner-optimizer states and the outer state, gathered on rank 0
         (``None`` elsewhere). With it (and nothing else) a resume continues bit for bit, also in the middle
         of a window.
 
         A collective: every rank calls it at the same point; called on some ranks only, it raises
-        :class:`~lightning_gradcomp.ddp.checkpoint.CheckpointTimeout` after the ``timeout`` of
+        :class:`~lightning_gradcomp.exchange.checkpoint.CheckpointTimeout` after the ``timeout`` of
         :func:`local_updates`, naming the fix. The model's own ``state_dict()`` for the same checkpoint is
         taken inside :meth:`global_weights` (``θ_global``; rank 0 alone may do that)."""
         return self._gather_entry(self.loop.state_dict(self.optimizers))
@@ -228,7 +225,7 @@ class FaultTolerantHandle(LocalUpdateHandle):
         self.loop.shutdown()
 
 
-def local_updates(
+def replicated_local_updates(
     model: torch.nn.Module,
     optimizers: Union[Optimizer, Sequence[Optimizer]],
     sync_every: int = 100,
@@ -248,40 +245,8 @@ def local_updates(
     global_device: Optional[Union[str, torch.device]] = None,
     fault_tolerance: Optional[FaultTolerance] = None,
 ) -> LocalUpdateHandle:
-    """Train ``model`` with local updates on this rank of ``group`` (default: the world).
-
-    Args:
-        model: the bare model, called as it is in the loop; rank 0's values are broadcast now, so every
-            rank starts from the same parameters. A ``DistributedDataParallel`` wrapper of it that the loop
-            still calls raises at its first gradient all-reduce, naming the fix (a wrapper made before
-            ``local_updates()``, or before the first optimizer step: found then; not one made later).
-        optimizers: the inner optimizer(s), each rank's own. The first one's ``step()`` counts each iteration
-            (a step post-hook), so the loop needs no :meth:`LocalUpdateHandle.step` call; a loop that calls it
-            after every iteration, as before (needed with a ``GradScaler``, which may skip a rank's step),
-            takes the counting over at its first call.
-        sync_every, outer_optimizer, fragments, delay, alpha, overlap: see
-            :class:`~lightning_gradcomp.local.config.LocalUpdates` (``fragments``, ``delay``, ``alpha``,
-            ``overlap``: Streaming DiLoCo).
-        compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
-            :class:`~lightning_gradcomp.GradCompStrategy` (default: uncompressed, DiLoCo).
-        telemetry: also measure the compression error and time.
-        timeout: how long :meth:`LocalUpdateHandle.state_dict` (a collective) waits for the other ranks
-            before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
-            only fails with advice instead of hanging. The exchange itself fails a dead peer after the
-            process group's own timeout.
-        global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
-            device) or ``"cpu"`` (host memory, pinned: 2-3x the model's bytes kept off the accelerator, at
-            the price of a copy each way per synchronisation).
-        fault_tolerance: a :class:`~lightning_gradcomp.local.fault_tolerance.FaultTolerance`: this job is one
-            replica group of a job that survives lost groups (its ``torch.distributed`` world is the group's
-            alone): the synchronisations go through torchft's lighthouse and process group (needs the ``ft``
-            extra), one quorum and commit per fragment's synchronisation (Streaming DiLoCo's ``fragments``
-            and ``delay`` too: the exchange overlaps ``delay`` inner steps, then the vote). A group of several
-            processes trains the model under
-            ``DistributedDataParallel`` inside the group (pass the wrapper, or the bare model and call its
-            wrapper; a gradient all-reduce inside the group every step, DDP's own), and its ranks split the
-            outer exchange between them: each sends a part of the model to the same rank of the other groups.
-    """
+    """:func:`~lightning_gradcomp.local.api.local_updates` of a whole model on this rank of ``group`` (default:
+    the world), or of one fault-tolerant replica group (the arguments are described there)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
                            "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
@@ -336,10 +301,10 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
     if ddp_inside:
         broadcast_from_first_rank(model)  # the group's replicas start equal, wrapped in DDP now or later
     device = next(model.parameters()).device
-    names = {id(p): name for name, p in model.named_parameters()}
     # no exchange thread of its own: the loop runs the overlapped exchanges (delay > 0) on torchft's group
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                                   seed=seed, exchange_thread=False, device=device)
+    hook_state = ExchangeSession(compressor, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
+                                 seed=seed, exchange_thread=False, device=device, settings=config.settings(),
+                                 caller="local_updates(fault_tolerance=...)")
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     if layout is not None:
         hook_state.layout = layout
@@ -361,10 +326,10 @@ def attach(module: torch.nn.Module, optimizers: Sequence[Optimizer], config: Loc
     (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
     step, see :func:`refuse_gradient_all_reduce`)."""
     device = next(module.parameters()).device
-    names = {id(p): name for name, p in module.named_parameters()}
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed, group=group,
-                                   exchange_thread=config.delay > 0, device=device)
+    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
+                                 min_compress_numel=min_compress_numel, seed=seed, group=group,
+                                 exchange_thread=config.delay > 0, device=device, settings=config.settings(),
+                                 caller="local_updates()")
     loop = LocalUpdateLoop(module, config, hook_state, global_device=global_device)
     return LocalUpdateHandle(loop, optimizers, device, refuse_ddp)
 

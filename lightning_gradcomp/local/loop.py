@@ -4,7 +4,7 @@
 Call :meth:`LocalUpdateLoop.step` once per inner optimizer step, on every rank (also on a step that a
 ``GradScaler`` skipped: the schedule counts iterations, the same on every rank). When a fragment's turn
 comes (every ``H`` steps for the whole model by default) it exchanges each rank's outer gradient through
-the exchange engine (:meth:`~lightning_gradcomp.ddp.hook.GradCompHookState.exchange_now`: the
+the exchange engine (:meth:`~lightning_gradcomp.exchange.session.ExchangeSession.exchange`: the
 compressor, error feedback on ``Δ``, the byte count, a dead peer's
 :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`), averages the fragment's floating-point
 buffers with one dense all-reduce, steps the outer optimizer
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
@@ -200,7 +200,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         synced: whether the last :meth:`step` merged a synchronisation.
     """
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
                  global_device: Optional[Union[str, torch.device]] = None) -> None:
         self.module = module
         named = trainable_parameters(module)
@@ -237,9 +237,9 @@ class LocalUpdateLoop(ScheduledSyncs):
         for number, bucket in enumerate(buckets):
             last = number == len(buckets) - 1
             if self.outer.delay:
-                pending.futures.append(self.exchange.exchange_later(bucket, last))
+                pending.futures.append(self.exchange.exchange(bucket, last=last, overlap=True))
             else:
-                self.exchange.exchange_now(bucket, last)
+                self.exchange.exchange(bucket, last=last)
         self.pending.append(pending)
         return pending
 

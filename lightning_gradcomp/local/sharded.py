@@ -43,12 +43,12 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.ddp.hook import GradCompHookState
+from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, local_shard, shard_layout
+from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, world_collective_device
-from lightning_gradcomp.fsdp.handle import _check_group, _check_mesh, _fsdp_modules
-from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
+from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.fault_tolerance import FaultTolerantLoop
 from lightning_gradcomp.local.global_model import CopiedIn
 from lightning_gradcomp.local.handle import (
     attach_fault_tolerant,
@@ -56,19 +56,11 @@ from lightning_gradcomp.local.handle import (
     FaultTolerantHandle,
     LocalUpdateHandle,
 )
-from lightning_gradcomp.local.handle import local_updates as replicated_local_updates
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import cpu_copy
 
 #: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
 LOCAL_SHARD_KEY = "local_shard"
-
-
-def local_shard(tensor: Tensor) -> Tensor:
-    """This rank's part of ``tensor``: a DTensor's local tensor (a view of FSDP2's sharded storage, so
-    writing into it changes the parameter), else ``tensor`` itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class ShardedLocalUpdateLoop(LocalUpdateLoop):
@@ -80,7 +72,7 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
     (:class:`~lightning_gradcomp.local.global_model.CopiedIn`): FSDP2's all-gathers read its own storage.
     """
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: GradCompHookState,
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
                  shard_group: Optional[dist.ProcessGroup] = None,
                  global_device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__(module, config, exchange, global_device=global_device)
@@ -145,83 +137,6 @@ class ShardedLocalUpdateHandle(LocalUpdateHandle):
         return world_collective_device()
 
 
-def local_updates(
-    model: torch.nn.Module,
-    optimizers: Union[Optimizer, Sequence[Optimizer]],
-    sync_every: int = 100,
-    compressor: Union[Compressor, str] = "none",
-    *,
-    mesh: Optional[DeviceMesh] = None,
-    outer_optimizer: Optional[OuterOptimizerFactory] = None,
-    fragments: Fragments = 1,
-    delay: int = 0,
-    alpha: float = 0.0,
-    overlap: str = "after",
-    error_feedback: Optional[bool] = None,
-    min_compress_numel: int = 1024,
-    seed: int = 0,
-    group: Optional[dist.ProcessGroup] = None,
-    telemetry: bool = False,
-    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-    global_device: Optional[Union[str, torch.device]] = None,
-    fault_tolerance: Optional[FaultTolerance] = None,
-) -> LocalUpdateHandle:
-    """Train ``model`` with local updates: a whole model on every rank (``mesh=None``; see
-    :func:`lightning_gradcomp.local.local_updates`), or an FSDP2-sharded one whose replicas are the
-    ``"shard"`` groups of ``mesh``.
-
-    Args:
-        model: the bare model. Sharded: ``fully_shard(..., mesh=mesh["shard"])`` applied to its blocks and to
-            it (a 1-D shard mesh, so that FSDP itself all-reduces nothing between replicas); rank 0's shard
-            values are broadcast to the other replicas now.
-        mesh: for a sharded model, the 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``; the
-            outer gradients cross ``mesh["replicate"]``.
-        global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
-            device) or ``"cpu"`` (host memory, pinned; as torchft's ``backup_device``).
-        optimizers, sync_every, compressor, outer_optimizer, fragments, delay, alpha, overlap, error_feedback,
-        min_compress_numel, seed, telemetry, timeout, fault_tolerance: as for the replicated
-            :func:`lightning_gradcomp.local.local_updates`; with ``fault_tolerance`` a sharded model is one replica
-            group sharded over this job's world (``mesh=None``), each rank exchanging its shard with the same rank
-            of the other groups over torchft's process group; ``group`` is for a whole model only (a sharded
-            one's replica group is ``mesh["replicate"]``), and the checkpoint entry of a sharded model holds
-            every rank of the world.
-    """
-    sharded = bool(_sharded_modules(model))
-    if mesh is None and not sharded:
-        return replicated_local_updates(
-            model, optimizers, sync_every, compressor, outer_optimizer=outer_optimizer, fragments=fragments,
-            delay=delay, alpha=alpha, overlap=overlap, error_feedback=error_feedback,
-            min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
-            global_device=global_device, fault_tolerance=fault_tolerance)
-    if fault_tolerance is not None:
-        if mesh is not None or group is not None:
-            raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
-                             "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
-                             "and torchft joins the groups; allowed: mesh=None, group=None")
-        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-        return attach_fault_tolerant_sharded(model, optimizers, LocalUpdates(sync_every, outer_optimizer, fragments,
-                                                                             delay, alpha, overlap),
-                                             compressor, fault_tolerance, error_feedback=error_feedback,
-                                             min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                             timeout=timeout, global_device=global_device)
-    if mesh is None:
-        raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
-                         "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
-                         "fully_shard(..., mesh=mesh['shard'])")
-    if group is not None:
-        raise ValueError("gradcomp.local_updates: `group` is for a whole model; a sharded model's replicas exchange "
-                         "over mesh['replicate'] (leave group=None)")
-    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
-    handle = attach_sharded(model, mesh, config, compressor, error_feedback=error_feedback,
-                            min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
-                            global_device=global_device)
-    handle.optimizers = optimizers
-    if optimizers:
-        handle.count_optimizer_steps(optimizers[0])
-    return handle
-
-
 def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdates, compressor: Union[Compressor, str],
                    *, error_feedback: Optional[bool] = None, min_compress_numel: int = 1024, seed: int = 0,
                    telemetry: bool = False, timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
@@ -231,16 +146,16 @@ def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdate
     checkpoint, and call ``loop.step()`` after each optimizer step, as the Trainer strategy does)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
-    shard_group, replicate_group = _check_mesh(mesh)
+    shard_group, replicate_group = check_mesh(mesh)
     _check_sharding(model, shard_group)
     timeout = check_checkpoint_timeout(timeout)
     global_device = check_global_device(global_device)
     device = next(model.parameters()).device
     _broadcast_replica(model, replicate_group)
-    names = {id(p): name for name, p in model.named_parameters()}
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
-                                   exchange_thread=config.delay > 0, device=device)
+    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
+                                 min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
+                                 exchange_thread=config.delay > 0, device=device, caller="local_updates(mesh=...)",
+                                 settings={**config.settings(), "shard layout": shard_layout(model)})
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     # θ_global, the residuals and the outer state fit this mesh's shards only: another split drops them
     hook_state.layout = f"local-hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
@@ -268,21 +183,13 @@ def attach_fault_tolerant_sharded(model: torch.nn.Module, optimizers: list[Optim
                                  layout=f"local-hsdp-ft:shard={dist.get_world_size()}")
 
 
-def _sharded_modules(model: torch.nn.Module) -> list[Any]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
 def _check_sharding(model: torch.nn.Module, shard_group: dist.ProcessGroup) -> None:
     """Every FSDP module sharded over ``mesh["shard"]`` alone (not native HSDP), and every trainable
     parameter sharded by one: a parameter outside FSDP would be averaged by nobody inside the replica."""
     names = {id(p): name for name, p in model.named_parameters()}
     sharded = set()
-    for module_name, _, param_group in _fsdp_modules(model, caller="local_updates"):
-        _check_group(module_name, param_group, shard_group, caller="local_updates")
+    for module_name, _, param_group in fsdp_modules(model, "local_updates"):
+        check_group(module_name, param_group, shard_group, "local_updates")
         sharded |= {names.get(id(fsdp_param.sharded_param)) for fsdp_param in param_group.fsdp_params}
     missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in sharded]
     if missing:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,9 +18,6 @@ import torch.distributed as dist
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.ddp.hook import GradCompHookState
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +34,14 @@ def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], l
             "layout": layout}
 
 
-def gather_entry(hook_state: "GradCompHookState", compressor: Compressor, local: Optional[dict[str, Any]] = None,
+def gather_entry(hook_state: Any, compressor: Compressor, local: Optional[dict[str, Any]] = None,
                  group: Optional[dist.ProcessGroup] = None) -> Optional[dict[str, Any]]:
-    """Collective over the hook state's ``checkpoint_group`` (the exchange's group; the whole world in
-    hierarchical mode): every rank's state, packed on the group's first rank (``None`` on the others).
+    """Collective over ``hook_state``'s ``checkpoint_group`` (the exchange's group; the whole world in
+    hierarchical mode; ``hook_state`` is an :class:`~lightning_gradcomp.exchange.session.ExchangeSession`,
+    typed loosely since the session imports this module): every rank's state, packed on the group's first rank (``None`` on the others).
     ``local``: this rank's local-update state (:mod:`lightning_gradcomp.local`), kept as its ``"local"``.
     Every rank of the group must call it. The states (CPU copies) travel over a gloo group of the same
-    ranks (:meth:`~lightning_gradcomp.ddp.hook.GradCompHookState.gather_group`, or ``group``: the plain
+    ranks (:meth:`~lightning_gradcomp.exchange.session.ExchangeSession.gather_group`, or ``group``: the plain
     handles' own, made with their ``timeout``, see :func:`checkpoint_group`): an NCCL gather of objects
     would stage every rank's pickled state in the first rank's GPU memory.
 

@@ -1,0 +1,90 @@
+"""Ranks of tests/test_agreement.py: every entry point given different settings on two ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import lightning_gradcomp
+from lightning_gradcomp.compressors import TopK
+from lightning_gradcomp.exchange.agreement import SettingsMismatch
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _ddp(compressor: Any, **kwargs: Any) -> Any:
+    return lightning_gradcomp.register(nn.parallel.DistributedDataParallel(_model()), compressor, **kwargs)
+
+
+def _local(compressor: Any = "none", **kwargs: Any) -> Any:
+    model = _model()
+    return lightning_gradcomp.local_updates(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                            kwargs.pop("sync_every", 4), compressor, **kwargs)
+
+
+def _sharded(**kwargs: Any) -> tuple[nn.Module, Any]:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh
+
+
+def _fsdp(compressor: Any, **kwargs: Any) -> Any:
+    model, mesh = _sharded()
+    return lightning_gradcomp.register_fsdp(model, mesh, compressor, **kwargs)
+
+
+def _sharded_local(**kwargs: Any) -> Any:
+    model, mesh = _sharded()
+    return lightning_gradcomp.local_updates(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, "none",
+                                            mesh=mesh, **kwargs)
+
+
+#: (what, setting named, rank 0's call, rank 1's call): each pair differs in one setting
+MISMATCHES: list[tuple[str, str, Callable[[], Any], Callable[[], Any]]] = [
+    ("register density", "compressor", lambda: _ddp(TopK(0.01)), lambda: _ddp(TopK(0.5))),
+    ("register method", "compressor", lambda: _ddp("topk"), lambda: _ddp("qsgd")),
+    ("register min_compress_numel", "min_compress_numel", lambda: _ddp("topk", min_compress_numel=0),
+     lambda: _ddp("topk", min_compress_numel=10**6)),
+    ("register seed", "seed", lambda: _ddp("randomk", seed=0), lambda: _ddp("randomk", seed=1)),
+    ("register error feedback", "error_feedback", lambda: _ddp("topk"), lambda: _ddp("topk", error_feedback=False)),
+    ("local compressor", "compressor", lambda: _local("none"), lambda: _local("int8")),
+    ("local H", "sync_every", lambda: _local(sync_every=4), lambda: _local(sync_every=8)),
+    ("local fragments", "fragments", lambda: _local(fragments=1), lambda: _local(fragments=2)),
+    ("local outer lr", "outer_optimizer",
+     lambda: _local(outer_optimizer=_sgd(0.7)), lambda: _local(outer_optimizer=_sgd(1.0))),
+    ("fsdp method", "compressor", lambda: _fsdp("topk"), lambda: _fsdp("int8")),
+    ("fsdp min_compress_numel", "min_compress_numel", lambda: _fsdp("topk", min_compress_numel=0),
+     lambda: _fsdp("topk", min_compress_numel=10**6)),
+    ("sharded local alpha", "alpha", lambda: _sharded_local(alpha=0.0, delay=1), lambda: _sharded_local(alpha=0.5, delay=1)),
+]
+
+
+def _sgd(lr: float) -> Any:
+    import functools
+
+    return functools.partial(torch.optim.SGD, lr=lr)
+
+
+def check_every_mismatch_is_an_error_on_every_rank(rank: int, world_size: int) -> None:
+    """Each case on both ranks in turn: rank 1's settings differ in one; every rank raises
+    :class:`SettingsMismatch` naming it, with both ranks' values; equal settings pass."""
+    for what, setting, first, second in MISMATCHES:
+        try:
+            (first if rank == 0 else second)()
+        except SettingsMismatch as error:
+            message = str(error)
+            assert f"`{setting}`" in message and "on rank 0" in message and "on rank 1" in message, (what, message)
+        else:
+            raise AssertionError(f"{what}: different settings on the two ranks were accepted on rank {rank}")
+    for agreed in (lambda: _ddp(TopK(0.01)), lambda: _local(fragments=2), lambda: _fsdp("int8"), _sharded_local):
+        agreed().close()

@@ -1,0 +1,59 @@
+"""Ranks that disagree on what shapes the wire: an error on every rank at registration, never a hang, an
+abort or a silent mix (lightning_gradcomp/exchange/agreement.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_gradcomp.exchange.agreement import (
+    describe_mismatch,
+    describe_optimizer_factory,
+    fingerprint,
+)
+from lightning_gradcomp.local.config import LocalUpdates, diloco_outer_optimizer
+
+from tests._processes import run_gloo
+
+
+def test_the_fingerprint_depends_on_every_name_and_value_and_not_on_order() -> None:
+    settings = {"compressor": "TopK(density=0.01)", "seed": "0"}
+    assert fingerprint(settings) == fingerprint(dict(reversed(settings.items())))
+    assert fingerprint(settings) != fingerprint({**settings, "seed": "1"})
+    assert fingerprint(settings) != fingerprint({"compressor": "TopK(density=0.01)"})
+    assert 0 <= fingerprint(settings) < 2**63  # fits a signed 64-bit tensor
+
+
+def test_the_message_names_each_differing_setting_and_every_ranks_value() -> None:
+    message = describe_mismatch([{"compressor": "TopK(density=0.01)", "seed": "0"},
+                                 {"compressor": "TopK(density=0.5)", "seed": "0"},
+                                 {"compressor": "TopK(density=0.01)", "seed": "0", "extra": "x" * 500}], "register()")
+    assert "register()" in message
+    assert "`compressor`: TopK(density=0.01) on ranks 0, 2; TopK(density=0.5) on rank 1" in message
+    assert "`seed`" not in message
+    assert "`extra`: (not set) on ranks 0, 1; " in message and "(500 characters)" in message
+
+
+def test_outer_optimizers_are_described_by_what_they_build_never_by_an_address() -> None:
+    assert describe_optimizer_factory(functools.partial(torch.optim.SGD, lr=1.0)) == "torch.optim.sgd.SGD(lr=1.0)"
+    assert describe_optimizer_factory(diloco_outer_optimizer).endswith("config.diloco_outer_optimizer")
+    assert "0x" not in describe_optimizer_factory(lambda params: torch.optim.SGD(params, lr=1.0))
+    assert LocalUpdates(4, fragments=2).settings()["fragments"] == "2"
+    assert LocalUpdates(4, fragments=[["a"], ["b", torch.nn.Linear(1, 1)]]).settings()["fragments"] == \
+        "[['a'], ['b', 'Linear']]"
+
+
+@pytest.mark.multiprocess
+def test_every_entry_point_refuses_settings_that_differ_between_ranks_on_every_rank() -> None:
+    """register() (density, method, min_compress_numel, seed, error feedback), local_updates() (compressor,
+    H, fragments, outer optimizer), register_fsdp() and local_updates(mesh=) on a 2 x 1 mesh: each raises
+    SettingsMismatch on both ranks, naming the setting and both values; then equal settings pass."""
+    run_gloo(_workers().check_every_mismatch_is_an_error_on_every_rank, 2)
+
+
+def _workers():  # noqa: ANN202 - imported late: FSDP2's import is not needed by the single-process tests
+    from tests import _agreement_workers
+
+    return _agreement_workers
