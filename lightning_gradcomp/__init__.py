@@ -40,7 +40,9 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
+from lightning_gradcomp.exchange.agreement import SettingsMismatch
 from lightning_gradcomp.exchange.drivers import CollectiveError
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
 from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates, local_updates
 from lightning_gradcomp.metrics.netmodel import Network
@@ -73,16 +75,20 @@ __all__ = [
     "CheckpointTimeout",
     "CollectiveError",
     "Compressor",
-    "DGC",
     "DeMo",
+    "DGC",
     "EFSignSGD",
+    "exchange_failures",
+    "ExchangeSession",
     "FaultTolerance",
     "FP16",
     "FP4AllReduce",
     "FP8AllReduce",
     "FSDPHandle",
-    "GradCompFSDPStrategy",
+    "get_compressor",
+    "gradcomp_hook",
     "GradCompFabricStrategy",
+    "GradCompFSDPStrategy",
     "GradCompHandle",
     "GradCompHookState",
     "GradCompSimStrategy",
@@ -90,22 +96,20 @@ __all__ = [
     "HardThreshold",
     "Int4AllReduce",
     "Int8AllReduce",
+    "local_updates",
     "LocalUpdates",
     "Network",
     "NoCompression",
     "PowerSGD",
     "QSGD",
     "RandomK",
+    "register",
+    "register_fsdp",
+    "SettingsMismatch",
     "SignSGD",
     "SimulatedLocalUpdates",
     "SparseLoCo",
     "StepStats",
     "TernGrad",
     "TopK",
-    "exchange_failures",
-    "get_compressor",
-    "gradcomp_hook",
-    "local_updates",
-    "register",
-    "register_fsdp",
 ]

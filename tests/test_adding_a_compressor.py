@@ -45,3 +45,29 @@ def test_the_documented_example_sends_one_bit_per_element_and_averages_scaled_si
     expected = sum(g.abs().mean() * g.sign() for g in grads) / 2
     torch.testing.assert_close(aggregate, expected)
     assert exchange.step_stats.bytes_sent == 8 + 4096 // 8  # scale (aligned to 8) + 1 bit per element
+
+
+def test_optional_capabilities_are_declared_and_checked_when_the_class_is_defined() -> None:
+    """The engine takes an optional path by a class's declared ``capabilities``; overriding its method without
+    declaring it (a path the engine would never take), declaring one without its method, or an unknown name
+    is a TypeError naming the fix."""
+    from lightning_gradcomp.compressors import NoCompression
+    from lightning_gradcomp.compressors.base import CAPABILITIES
+
+    class Undeclared(NoCompression):
+        pass
+
+    with pytest.raises(TypeError, match=r"overrides finalize_dense without declaring the capability 'finalize_dense'"
+                                        r".*capabilities = frozenset\(\{'finalize_dense', 'reads_flat_only'\}\)"):
+        type("Sign", (NoCompression,), {"finalize_dense": lambda self, out, ctx: out.sign_()})
+    with pytest.raises(TypeError, match="declares the capability 'dense_segments' without implementing dense_segments"):
+        type("Empty", (NoCompression,), {"capabilities": NoCompression.capabilities | {"dense_segments"}})
+    with pytest.raises(TypeError, match=r"capabilities must be a frozenset of \['dense_segments'"):
+        type("Odd", (NoCompression,), {"capabilities": frozenset({"fast"})})
+    declared = type("Sign", (NoCompression,), {"finalize_dense": lambda self, out, ctx: out.sign_(),
+                                               "capabilities": NoCompression.capabilities | {"finalize_dense"}})
+    assert declared.capabilities == {"finalize_dense", "reads_flat_only"}
+    assert Undeclared.capabilities == NoCompression.capabilities  # inherited
+    assert all(c.capabilities <= set(CAPABILITIES) for c in COMPRESSORS.values())
+    assert {name for name, c in COMPRESSORS.items() if "dense_segments" in c.capabilities} == \
+        {"bf16", "demo", "dgc", "fp16"}

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.cuda,
 
 NAMES = sorted(COMPRESSORS)
 #: register_fsdp needs FSDPModule.set_reduce_scatter_unused_params (torch 2.14 has it; 2.11 does not) and
-#: refuses an older torch with a message saying so
+#: refuses an older torch with a message saying so (local updates on shards need neither hook method)
 _fsdp_hooks = pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "FSDPModule") or not hasattr(
     torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_unused_params"),
     reason="compressed HSDP needs FSDPModule.set_reduce_scatter_unused_params (a newer torch)")
@@ -119,7 +119,6 @@ def test_compressed_hsdp_on_nccl_has_no_host_synchronisation() -> None:
 
 
 @pytest.mark.multiprocess
-@_fsdp_hooks
 def test_sharded_local_updates_on_nccl_with_global_weights_on_the_gpu_or_the_host() -> None:
     """Local updates on FSDP2 shards (issue 38): θ_global on the GPU and in pinned host memory agree."""
     workers.run_on_gpu(workers.check_sharded_local_updates_on_nccl, 1, "nccl")

@@ -56,6 +56,17 @@ from lightning_gradcomp.core.tensors import (  # noqa: F401
 #: name -> compressor class, filled by :meth:`Compressor.__init_subclass__`.
 COMPRESSORS: dict[str, type["Compressor"]] = {}
 
+#: The optional capabilities a compressor class declares in :attr:`Compressor.capabilities`, each with the
+#: methods that provide it (a class that overrides one of them must declare it, and one that declares it must
+#: override one: checked when the class is defined). ``reads_flat_only`` is a promise, with no method: its
+#: :meth:`~Compressor.exchange_segments` only reads the bucket's flat input (a lone gradient is then handed
+#: over as it is, without a copy).
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "dense_segments": ("dense_segments",),
+    "finalize_dense": ("finalize_dense", "finalize_dense_many"),
+    "reads_flat_only": (),
+}
+
 
 @dataclass
 class Payload:
@@ -168,6 +179,11 @@ class Compressor(ABC):
     #: What else than a NaN or Inf in the gradient makes this compressor's payload non-finite, for the
     #: non-finite warning of the DDP hook (FP16: a value beyond ±65504, which the cast turns into inf).
     nonfinite_hint: ClassVar[str] = ""
+    #: The optional capabilities this class provides (:data:`CAPABILITIES`): ``"dense_segments"`` (a bucket's
+    #: tensors sent dense are prepared in one flat buffer, :meth:`dense_segments`), ``"finalize_dense"`` (a
+    #: step after the dense average, :meth:`finalize_dense`), ``"reads_flat_only"``. Inherited; a subclass
+    #: adds to its parent's: ``capabilities = Parent.capabilities | {"dense_segments"}``.
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def produces_signs(self) -> bool:
@@ -194,6 +210,7 @@ class Compressor(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _check_capabilities(cls)
         if cls.__dict__.get("name"):  # its own name: a subclass that inherits one does not replace its parent
             COMPRESSORS[cls.name] = cls
 
@@ -392,6 +409,25 @@ class Compressor(ABC):
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments, for logs and ``repr``."""
         return {}
+
+
+def _check_capabilities(cls: type[Compressor]) -> None:
+    """A compressor class's :attr:`~Compressor.capabilities` match what it implements: unknown names, a
+    capability declared without its method, and a method overridden without its capability declared (the
+    engine would never call it) are a ``TypeError`` when the class is defined."""
+    declared = cls.capabilities
+    if not isinstance(declared, frozenset) or not declared <= set(CAPABILITIES):
+        raise TypeError(f"{cls.__name__}.capabilities must be a frozenset of {sorted(CAPABILITIES)}, got {declared!r}")
+    for capability, methods in CAPABILITIES.items():
+        overridden = [method for method in methods if getattr(cls, method) is not getattr(Compressor, method)]
+        if overridden and capability not in declared:
+            wanted = ", ".join(repr(name) for name in sorted(declared | {capability}))
+            raise TypeError(f"{cls.__name__} overrides {overridden[0]} without declaring the capability "
+                            f"{capability!r}, so the engine would never call it: set capabilities = "
+                            f"frozenset({{{wanted}}}) in the class")
+        if methods and capability in declared and not overridden:
+            raise TypeError(f"{cls.__name__} declares the capability {capability!r} without implementing "
+                            f"{' or '.join(methods)}")
 
 
 def take_verdict(contexts: Sequence[CompressContext]) -> Optional[Tensor]:

@@ -230,6 +230,8 @@ class DeMo(Compressor):
     """
 
     name = "demo"
+    #: the optional capabilities it provides (:data:`~lightning_gradcomp.compressors.base.CAPABILITIES`)
+    capabilities = frozenset({"dense_segments", "finalize_dense"})
     owns_residual = True  # the momentum δ keeps what was not sent
 
     def __init__(self, chunk: int = 64, k: int = 32, decay: float = 0.999, sign: bool = True,

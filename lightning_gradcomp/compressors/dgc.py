@@ -65,6 +65,8 @@ class DGC(HasDensity, _ValuesAndIndices):
     """
 
     name = "dgc"
+    #: the optional capabilities it provides (:data:`~lightning_gradcomp.compressors.base.CAPABILITIES`)
+    capabilities = _ValuesAndIndices.capabilities | {"dense_segments"}
     owns_residual = True  # the velocity v
 
     def __init__(

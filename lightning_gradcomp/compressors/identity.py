@@ -28,13 +28,13 @@ class _DenseSegments(Compressor):
     """A whole bucket's tensors cast to the wire dtype and averaged by one all-reduce of the flat buffer
     (segments without gaps): the same values as each tensor's own all-reducible payload.
 
-    :meth:`exchange_segments` only reads its input (``_reads_flat_only``), and its ``write`` reads only the
+    :meth:`exchange_segments` only reads its input (the capability ``reads_flat_only``), and its ``write`` reads only the
     mean: a lone gradient of the state dtype is then handed over as it is, and its result written back into
     it (:func:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline.segments_protocol`): for ``none`` on fp32
     gradients one copy (the engine's merge into the all-reduce), one division and one write of the bucket."""
 
     #: the bucket-wise exchange never writes into ``flat`` (see the pipeline's ``_input_as_flat``)
-    _reads_flat_only = True
+    capabilities = frozenset({"reads_flat_only"})
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         """The dtype the bucket is sent in."""
@@ -105,6 +105,8 @@ class _Cast(_DenseSegments):
     """Round to a 16-bit float format; the all-reduce sums in that format."""
 
     biased = False
+    #: the optional capabilities it provides (:data:`~lightning_gradcomp.compressors.base.CAPABILITIES`)
+    capabilities = _DenseSegments.capabilities | {"dense_segments"}
     wire_dtype: torch.dtype = torch.float16
 
     @property

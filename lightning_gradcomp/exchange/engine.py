@@ -212,7 +212,7 @@ class ExchangeEngine:
         for index, finite in zip(checked, all_finite_many([entries[index].grad for index in checked])):
             contexts[index].finite = finite
         units: list[tuple[Generator[Round, list, int], list[int]]] = []
-        if dense and bucket_alignment is not None and type(compressor).dense_segments is not Compressor.dense_segments:
+        if dense and bucket_alignment is not None and "dense_segments" in compressor.capabilities:
             segments = self._segments([entries[index] for index in dense], 1)
             units.append((self.pipeline.dense_segments_protocol(segments, [entries[index].grad for index in dense],
                                                                 [contexts[index] for index in dense],

@@ -129,9 +129,7 @@ class WorkerPipeline:
 
     def _finalize_dense(self, outs: Sequence[Optional[Tensor]], contexts: Sequence[CompressContext]) -> None:
         """The compressor's step after the dense average (DeMo's sign), where it has one."""
-        compressor = type(self.compressor)
-        if (compressor.finalize_dense is not Compressor.finalize_dense
-                or compressor.finalize_dense_many is not Compressor.finalize_dense_many):
+        if "finalize_dense" in self.compressor.capabilities:
             written = [(out, ctx) for out, ctx in zip(outs, contexts) if out is not None]
             if written:
                 self.compressor.finalize_dense_many([out for out, _ in written], [ctx for _, ctx in written])
@@ -171,7 +169,7 @@ class WorkerPipeline:
         for view, ctx in zip(views, contexts):
             if view.numel() > MAX_NUMEL:
                 raise RuntimeError(f"gradcomp: parameter {ctx.name!r} has more than 2**31 - 1 elements")
-        reads_flat_only = getattr(type(self.compressor), "_reads_flat_only", False)
+        reads_flat_only = "reads_flat_only" in self.compressor.capabilities
         borrowed = None if self.error_feedback else _input_as_flat(self.compressor, segments, views)
         if self.error_feedback:
             flat = self.memory.compensate_bucket(segments, views)
@@ -318,10 +316,10 @@ def _whole_layout(outs: Sequence[Optional[Tensor]], segments: Segments, flat: Te
 
 def _input_as_flat(compressor: Compressor, segments: Segments, views: Sequence[Tensor]) -> Optional[Tensor]:
     """A lone gradient as the bucket's flat input as it is, without the copy of :meth:`Segments.gather`, for a
-    compressor whose bucket-wise exchange only reads its input (``_reads_flat_only``: the dense formats, where
+    compressor whose bucket-wise exchange only reads its input (capability ``reads_flat_only``: the dense formats, where
     the copy would be one of the few passes over the bucket) when it is the layout exactly (contiguous, of the
     state dtype, no gap); else ``None``."""
-    if not getattr(type(compressor), "_reads_flat_only", False) or len(views) != 1 or segments.padded:
+    if "reads_flat_only" not in compressor.capabilities or len(views) != 1 or segments.padded:
         return None
     view = views[0]
     if view.dtype != state_dtype(view.dtype) or not view.is_contiguous() or view.numel() != segments.total:

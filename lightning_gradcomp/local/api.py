@@ -88,24 +88,19 @@ def local_updates(
             shard with the same rank of the other groups over torchft's process group; ``group`` is for a whole
             model only, and the checkpoint entry of a sharded model holds every rank of the world.
     """
-    sharded = bool(sharded_modules(model))
-    if mesh is None and not sharded:
-        return replicated_local_updates(
-            model, optimizers, sync_every, compressor, outer_optimizer=outer_optimizer, fragments=fragments,
-            delay=delay, alpha=alpha, overlap=overlap, error_feedback=error_feedback,
-            min_compress_numel=min_compress_numel, seed=seed, group=group, telemetry=telemetry, timeout=timeout,
-            global_device=global_device, fault_tolerance=fault_tolerance)
+    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
+    exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
+                "telemetry": telemetry, "timeout": timeout, "global_device": global_device}
+    if mesh is None and not sharded_modules(model):
+        return replicated_local_updates(model, optimizers, config, compressor, group=group,
+                                        fault_tolerance=fault_tolerance, **exchange)
     if fault_tolerance is not None:
         if mesh is not None or group is not None:
             raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
                              "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
                              "and torchft joins the groups; allowed: mesh=None, group=None")
-        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-        return attach_fault_tolerant_sharded(model, optimizers, LocalUpdates(sync_every, outer_optimizer, fragments,
-                                                                             delay, alpha, overlap),
-                                             compressor, fault_tolerance, error_feedback=error_feedback,
-                                             min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                             timeout=timeout, global_device=global_device)
+        return attach_fault_tolerant_sharded(model, optimizers, config, compressor, fault_tolerance, **exchange)
     if mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
@@ -113,11 +108,7 @@ def local_updates(
     if group is not None:
         raise ValueError("gradcomp.local_updates: `group` is for a whole model; a sharded model's replicas exchange "
                          "over mesh['replicate'] (leave group=None)")
-    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
-    handle = attach_sharded(model, mesh, config, compressor, error_feedback=error_feedback,
-                            min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
-                            global_device=global_device)
+    handle = attach_sharded(model, mesh, config, compressor, **exchange)
     handle.optimizers = optimizers
     if optimizers:
         handle.count_optimizer_steps(optimizers[0])

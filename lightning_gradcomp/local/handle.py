@@ -45,7 +45,7 @@ from lightning_gradcomp.exchange.checkpoint import (
 )
 from lightning_gradcomp.exchange.handle import ExchangeHandle
 from lightning_gradcomp.exchange.session import ExchangeSession
-from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
+from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import (
     FaultTolerance,
     FaultTolerantLoop,
@@ -227,31 +227,24 @@ class FaultTolerantHandle(LocalUpdateHandle):
 
 def replicated_local_updates(
     model: torch.nn.Module,
-    optimizers: Union[Optimizer, Sequence[Optimizer]],
-    sync_every: int = 100,
-    compressor: Union[Compressor, str] = "none",
+    optimizers: list[Optimizer],
+    config: LocalUpdates,
+    compressor: Union[Compressor, str],
     *,
-    outer_optimizer: Optional[OuterOptimizerFactory] = None,
-    fragments: Fragments = 1,
-    delay: int = 0,
-    alpha: float = 0.0,
-    overlap: str = "after",
-    error_feedback: Optional[bool] = None,
-    min_compress_numel: int = 1024,
-    seed: int = 0,
-    group: Optional[dist.ProcessGroup] = None,
-    telemetry: bool = False,
-    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-    global_device: Optional[Union[str, torch.device]] = None,
-    fault_tolerance: Optional[FaultTolerance] = None,
+    error_feedback: Optional[bool],
+    min_compress_numel: int,
+    seed: int,
+    group: Optional[dist.ProcessGroup],
+    telemetry: bool,
+    timeout: Union[timedelta, float],
+    global_device: Optional[Union[str, torch.device]],
+    fault_tolerance: Optional[FaultTolerance],
 ) -> LocalUpdateHandle:
     """:func:`~lightning_gradcomp.local.api.local_updates` of a whole model on this rank of ``group`` (default:
     the world), or of one fault-tolerant replica group (the arguments are described there)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
                            "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
-    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     timeout = check_checkpoint_timeout(timeout)
     if fault_tolerance is not None and dist.get_world_size() > 1:  # a replica group of several processes: DDP inside
         return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
