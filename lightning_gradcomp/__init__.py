@@ -40,7 +40,7 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
-from lightning_gradcomp.exchange.agreement import SettingsMismatch
+from lightning_gradcomp.exchange.agreement import ScheduleMismatch, SettingsMismatch
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
@@ -105,6 +105,7 @@ __all__ = [
     "RandomK",
     "register",
     "register_fsdp",
+    "ScheduleMismatch",
     "SettingsMismatch",
     "SignSGD",
     "SimulatedLocalUpdates",

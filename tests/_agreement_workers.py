@@ -88,3 +88,36 @@ def check_every_mismatch_is_an_error_on_every_rank(rank: int, world_size: int) -
             raise AssertionError(f"{what}: different settings on the two ranks were accepted on rank {rank}")
     for agreed in (lambda: _ddp(TopK(0.01)), lambda: _local(fragments=2), lambda: _fsdp("int8"), _sharded_local):
         agreed().close()
+
+
+def check_a_rank_out_of_step_is_an_error_on_every_rank(rank: int, world_size: int, delay: int) -> None:
+    """Rank 1 calls ``sync()`` alone after 2 inner steps, while rank 0 trains on to its scheduled
+    synchronisation at step 4: both raise :class:`ScheduleMismatch` there, before any payload moves, with
+    every rank's step; then a ``sync()`` on both ranks at the same step works."""
+    from lightning_gradcomp.exchange.agreement import ScheduleMismatch
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = lightning_gradcomp.local_updates(model, optimizer, 4, "int8", delay=delay)
+    generator = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(4):
+            x, y = torch.randn(8, 32, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rank == 1 and step == 1:
+                handle.sync()
+    except ScheduleMismatch as error:
+        message = str(error)
+        assert "rank 0: step 4, fragment 0" in message and "rank 1: step 2, fragment 0" in message, message
+    else:
+        raise AssertionError(f"rank {rank}: a sync() on one rank alone went unnoticed")
+    handle.close()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = lightning_gradcomp.local_updates(model, optimizer, 4, "int8", delay=delay)
+    nn.functional.cross_entropy(model(torch.randn(8, 32)), torch.zeros(8, dtype=torch.long)).backward()
+    optimizer.step()
+    assert handle.sync()  # every rank at step 1: agreed
+    handle.close()

@@ -53,7 +53,24 @@ def test_every_entry_point_refuses_settings_that_differ_between_ranks_on_every_r
     run_gloo(_workers().check_every_mismatch_is_an_error_on_every_rank, 2)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_rank_that_synchronises_alone_is_an_error_on_every_rank(delay: int) -> None:
+    """Local updates: a rank that calls sync() alone mid-window is caught at the next synchronisation of
+    the others (the inner step differs), on every rank, before any payload moves; without delay and with an
+    overlapped exchange."""
+    run_gloo(_workers().check_a_rank_out_of_step_is_an_error_on_every_rank, 2, delay)
+
+
 def _workers():  # noqa: ANN202 - imported late: FSDP2's import is not needed by the single-process tests
     from tests import _agreement_workers
 
     return _agreement_workers
+
+
+def test_the_ranks_out_of_step_are_those_off_the_majority_or_all() -> None:
+    from lightning_gradcomp.exchange.agreement import out_of_step
+
+    assert out_of_step([(4, 0, 10), (4, 0, 10), (2, 0, 10)]) == [2]
+    assert out_of_step([(4, 0, 10), (2, 0, 10)]) == [0, 1]
+    assert out_of_step([(4, 0, 10)] * 3) == []

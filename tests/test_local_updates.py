@@ -168,8 +168,13 @@ def test_two_processes_equal_the_simulation(tmp_path) -> None:
     out = str(tmp_path / "local")
     run_gloo(check_real_equals_simulated, 2, CASES, out)
     ranks = [torch.load(f"{out}.rank{rank}.pt", weights_only=False) for rank in range(2)]
-    for name, compressor, streaming in CASES:
-        model, sim = simulate(workers=2, compressor=compressor, **streaming)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: another thread count sums matrix products in another order, which
+    try:                      # moves an int8 rounding by one step (this test alone, with 2 threads, failed)
+        simulations = [simulate(workers=2, compressor=compressor, **streaming) for _, compressor, streaming in CASES]
+    finally:
+        torch.set_num_threads(threads)
+    for (name, compressor, streaming), (model, sim) in zip(CASES, simulations):
         assert ranks[0][name]["syncs"] == sim.exchange.totals.steps
         assert ranks[0][name]["bytes"] == sim.exchange.totals.bytes_sent * 1.0 or math.isclose(
             ranks[0][name]["bytes"], sim.exchange.totals.bytes_sent)

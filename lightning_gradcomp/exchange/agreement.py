@@ -27,6 +27,22 @@ class SettingsMismatch(ValueError):
     """The ranks of one exchange were given different settings; raised on every rank of the exchange."""
 
 
+class ScheduleMismatch(RuntimeError):
+    """The ranks of one exchange reached different synchronisations (a rank called ``sync()`` alone, or
+    counted other steps); raised on every rank before any payload moves."""
+
+
+def out_of_step(rows: list[tuple[int, ...]]) -> list[int]:
+    """The ranks whose row differs from the most common one (every rank's, when no row is the majority's)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for row in rows:
+        counts[row] = counts.get(row, 0) + 1
+    common, count = max(counts.items(), key=lambda item: item[1])
+    if count * 2 <= len(rows):
+        return list(range(len(rows)))
+    return [rank for rank, row in enumerate(rows) if row != common]
+
+
 def fingerprint(settings: Mapping[str, str]) -> int:
     """A 63-bit digest of ``settings`` (names and values, in sorted order), the same on every machine."""
     text = "\n".join(f"{name}={settings[name]}" for name in sorted(settings))

@@ -47,9 +47,17 @@ from lightning_gradcomp.metrics.stats import collective_bytes_sent
 def world_collective_device() -> torch.device:
     """Where a collective of the default group takes its tensors: the current GPU on NCCL (the parameters
     may be offloaded to the CPU), else the CPU."""
-    if dist.get_backend() == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(None)
+
+
+def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a collective of ``group`` (``None``: the default group) takes its tensors: the current GPU on
+    NCCL, else the CPU. A group that torch.distributed does not know (torchft's) is gloo's: the CPU."""
+    try:
+        nccl = dist.get_backend(group) == dist.Backend.NCCL
+    except (ValueError, RuntimeError):  # not registered with torch.distributed
+        nccl = False
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 class CollectiveError(RuntimeError):
@@ -264,6 +272,15 @@ class InProcessDriver:
         for tensor in tensors[1:]:
             total.add_(tensor)
         return total
+
+    def all_gather(self, tensors: list[Tensor]) -> Tensor:
+        """Every worker's tensor (the same size on each), one row per worker, counted on every worker as
+        :meth:`TorchDriver.all_gather` counts it on each rank."""
+        if len(tensors) != self.workers:
+            raise RuntimeError(f"InProcessDriver.all_gather: {len(tensors)} tensors for {self.workers} workers")
+        for counter, tensor in zip(self.counters, tensors):
+            counter.count(Collective("all_gather", tensor), self.workers)
+        return torch.stack([tensor.reshape(-1) for tensor in tensors])
 
     def finish(self) -> list[BucketReport]:
         """Run the remaining rounds of every worker in lock-step; each worker's report."""

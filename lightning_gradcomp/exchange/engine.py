@@ -44,7 +44,7 @@ from typing import Generator, Iterator, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import CompressContext, Compressor
+from lightning_gradcomp.compressors.base import CompressContext
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import AllToAll, Gather, Mean, Received, Round, stack_views
 from lightning_gradcomp.core.segments import Segments

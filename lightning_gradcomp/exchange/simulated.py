@@ -58,7 +58,7 @@ class SimulatedExchange:
         self.tally = CollectiveTally()
         self.step_stats = StepStats()
         #: whether :meth:`finish_step` reads the measured figures from the device (see
-        #: :attr:`~lightning_gradcomp.ddp.hook.GradCompHookState.telemetry_due`)
+        #: :attr:`~lightning_gradcomp.exchange.session.ExchangeSession.telemetry_due`)
         self.telemetry_due = True
         self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}

@@ -370,8 +370,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self._syncing = None
         if self._failed is None:
             try:
-                self._agree(fragment)
-                return super()._start(fragment, merge_at)
+                return super()._start(fragment, merge_at)  # its first collective: _agree, below
             except CollectiveError as error:  # a group died during the exchange: this group votes no
                 self._failed = error
                 self.membership.report_error(error)
@@ -393,7 +392,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         for fragment in range(self.outer.fragments):
             self.global_buffers.record(fragment, [buffer for _, buffer in self.buffers])
 
-    def _agree(self, fragment: int) -> None:
+    def _agree(self, fragment: int, merge_at: int) -> None:
         """Check that every participant exchanges the same thing now (one small all-gather): the fragment, the
         elements this rank exchanges and its group's number of processes. Groups of different sizes, or a
         group joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo

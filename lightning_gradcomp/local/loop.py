@@ -25,6 +25,8 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from lightning_gradcomp.exchange.session import ExchangeSession
+from lightning_gradcomp.exchange.agreement import out_of_step, ScheduleMismatch
+from lightning_gradcomp.exchange.drivers import collective_device
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
@@ -228,6 +230,7 @@ class LocalUpdateLoop(ScheduledSyncs):
     @torch.no_grad()
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
         """Start the exchange of ``fragment``'s outer gradients (on the exchange thread when delayed)."""
+        self._agree(fragment, merge_at)
         indices = self.outer.members(fragment)
         params = self.params
         deltas = self.outer.outer_gradients(params, indices)
@@ -242,6 +245,27 @@ class LocalUpdateLoop(ScheduledSyncs):
                 self.exchange.exchange(bucket, last=last)
         self.pending.append(pending)
         return pending
+
+    def _agree(self, fragment: int, merge_at: int) -> None:
+        """Before any payload moves, check that every rank of the exchange starts the same synchronisation
+        (one all-gather of three integers per rank: the inner step, the fragment, the elements it exchanges).
+        A rank that called :meth:`sync` alone mid-window, or counted other steps, would otherwise pair its
+        exchange with another one of the others' and train on a silent mix of averages; here every rank
+        raises :class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, naming the ranks out of step."""
+        driver = self.exchange.driver
+        elements = sum(self.params[i].numel() for i in self.outer.members(fragment))
+        mine = torch.tensor([self.outer.optimizer_steps, fragment, elements], dtype=torch.int64,
+                            device=collective_device(driver.group))
+        rows = [tuple(row) for row in driver.all_gather(mine).tolist()]  # between steps, not in a hook
+        if len(set(rows)) > 1:
+            shown = "; ".join(f"rank {rank}: step {step}, fragment {part}, {count:,} elements"
+                              for rank, (step, part, count) in enumerate(rows))
+            late = ", ".join(map(str, out_of_step(rows)))
+            raise ScheduleMismatch(
+                f"gradcomp: local updates: rank(s) {late} of the exchange are out of step at this synchronisation "
+                f"({shown}). Every rank must synchronise at the same inner step: call sync() on every rank at the "
+                "same point, count every optimizer step on every rank (handle.step() after each one where a "
+                "GradScaler may skip it), and give every rank the same model and fragments")
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
         """What this rank hands the engine: each parameter's flat outer gradient and where its average goes

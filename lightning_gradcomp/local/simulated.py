@@ -140,6 +140,10 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         """Every worker's outer gradient of ``fragment`` through the engine, now; merged at ``merge_at``."""
         self._keep()
         indices = self.outer.members(fragment)
+        # the real ranks' agreement on this synchronisation (LocalUpdateLoop._agree), counted alike
+        elements = sum(self.params[i].numel() for i in indices)
+        self.exchange.driver.all_gather([torch.tensor([self.outer.optimizer_steps, fragment, elements])
+                                         for _ in range(self.workers)])
         names = [self.names[i] for i in indices]
         shapes = {self.names[i]: tuple(self.params[i].shape) for i in indices}
         for worker, replica in enumerate(self.replicas):

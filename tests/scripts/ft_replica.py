@@ -74,11 +74,11 @@ def main() -> None:
     if args.disagree_in_sync is not None:  # every participant's check fails: all roll that synchronisation back
         agree, disagreed = loop._agree, []
 
-        def agree_or_not(fragment: int) -> None:
+        def agree_or_not(fragment: int, merge_at: int) -> None:
             if loop.outer.syncs + 1 == args.disagree_in_sync and not disagreed:
                 disagreed.append(True)
                 fragment += 1
-            agree(fragment)
+            agree(fragment, merge_at)
 
         loop._agree = agree_or_not
     result: dict = {"losses": [], "global": {}, "first_step": loop.outer.optimizer_steps}
