@@ -121,3 +121,31 @@ def check_a_rank_out_of_step_is_an_error_on_every_rank(rank: int, world_size: in
     optimizer.step()
     assert handle.sync()  # every rank at step 1: agreed
     handle.close()
+
+
+def check_a_second_exchange_on_one_model_is_refused(rank: int, world_size: int) -> None:
+    """A second handle of any kind on a model whose first is open is refused on every rank, naming the first
+    and the fix; after close() the model takes another."""
+    def refused(make: Callable[[], Any], first: str) -> None:
+        try:
+            make()
+        except ValueError as error:
+            assert f"made by {first}" in str(error) and "close()" in str(error), str(error)
+        else:
+            raise AssertionError(f"a second exchange after {first} was accepted")
+
+    model, mesh = _sharded()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = lightning_gradcomp.register_fsdp(model, mesh, "int8")
+    refused(lambda: lightning_gradcomp.register_fsdp(model, mesh, "topk"), "register_fsdp()")
+    refused(lambda: lightning_gradcomp.local_updates(model, optimizer, 4, mesh=mesh), "register_fsdp()")
+    first.close()
+    lightning_gradcomp.local_updates(model, optimizer, 4, mesh=mesh).close()
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = lightning_gradcomp.local_updates(model, optimizer, 4)
+    refused(lambda: lightning_gradcomp.local_updates(model, optimizer, 4, "int8"), "local_updates()")
+    refused(lambda: lightning_gradcomp.register(nn.parallel.DistributedDataParallel(model), "topk"), "local_updates()")
+    first.close()
+    lightning_gradcomp.register(nn.parallel.DistributedDataParallel(model), "topk").close()

@@ -62,6 +62,13 @@ def test_a_rank_that_synchronises_alone_is_an_error_on_every_rank(delay: int) ->
     run_gloo(_workers().check_a_rank_out_of_step_is_an_error_on_every_rank, 2, delay)
 
 
+@pytest.mark.multiprocess
+def test_a_second_exchange_on_one_model_is_refused_until_the_first_is_closed() -> None:
+    """register_fsdp twice, local_updates after register_fsdp (local updates silently defeated before),
+    local_updates twice (two θ_global), register() after local_updates: each refused; after close() allowed."""
+    run_gloo(_workers().check_a_second_exchange_on_one_model_is_refused, 2)
+
+
 def _workers():  # noqa: ANN202 - imported late: FSDP2's import is not needed by the single-process tests
     from tests import _agreement_workers
 

@@ -41,7 +41,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
 from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
+from lightning_gradcomp.exchange.handle import GradientHandle, hold, OptimizerWatch, refuse_a_second_exchange
 
 
 class GradCompHandle(GradientHandle):
@@ -107,6 +107,7 @@ def register(
             "call use_compressor(...) on the handle the first register() returned; otherwise wrap a new "
             "DistributedDataParallel")
     check_reducer(ddp_model)
+    refuse_a_second_exchange(ddp_model.module, "register()")
     timeout = check_checkpoint_timeout(timeout)
     names = {id(p): name for name, p in ddp_model.module.named_parameters()}
     device = next(ddp_model.module.parameters()).device
@@ -119,6 +120,7 @@ def register(
     handle._watch = OptimizerWatch(handle, list(ddp_model.module.parameters()))
     handle.checkpoint_group = checkpoint_group(ddp_model.process_group, timeout)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
+    hold(ddp_model.module, handle, "register()")
     return handle
 
 

@@ -49,6 +49,8 @@ class ExchangeHandle:
         self.device = device
         #: the optimizers checked against the compressor and bound (:meth:`GradientHandle.bind`)
         self._bound: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        #: whether :meth:`close` ran (the model may then take another exchange)
+        self.closed = False
         self._checkpoint_broken: Optional[str] = None  # the CheckpointTimeout that left the gathers out of step
 
     @property
@@ -170,8 +172,33 @@ class ExchangeHandle:
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
 
     def close(self) -> None:
-        """Stop the exchange thread, if one runs."""
+        """Stop the exchange thread, if one runs; the model may then take another exchange."""
         self.hook_state.close()
+        self.closed = True
+
+
+#: each model's live handle and the entry point that made it (weakly: a model or handle dropped is forgotten)
+_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[ExchangeHandle], str]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def refuse_a_second_exchange(model: torch.nn.Module, caller: str) -> None:
+    """Raise ``ValueError`` when ``model`` (the bare module whose parameters an exchange owns) already has a
+    live compressed exchange: two would both exchange its gradients, or a per-step exchange would defeat
+    local updates, or two outer loops would each keep a θ_global. Called on every rank before any collective."""
+    held = _HANDLES.get(model)
+    handle = held[0]() if held is not None else None
+    if handle is not None and not handle.closed:
+        raise ValueError(
+            f"gradcomp: {caller}: this model already has a compressed exchange, made by {held[1]}, and its handle "
+            "is still open: two exchanges on one model would both act on its gradients (or one would exchange "
+            "every step under local updates). Call close() on the first handle before this call; to change the "
+            "compression between steps, call use_compressor(...) on it instead")
+
+
+def hold(model: torch.nn.Module, handle: ExchangeHandle, caller: str) -> None:
+    """Record ``handle`` as ``model``'s live exchange (see :func:`refuse_a_second_exchange`)."""
+    _HANDLES[model] = (weakref.ref(handle), caller)
 
 
 class GradientHandle(ExchangeHandle):

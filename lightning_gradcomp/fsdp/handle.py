@@ -40,7 +40,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
-from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
+from lightning_gradcomp.exchange.handle import GradientHandle, hold, OptimizerWatch, refuse_a_second_exchange
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import world_collective_device
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
@@ -141,6 +141,7 @@ def register_fsdp(
     error feedback is warned about.
     """
     shard_group, replicate_group = check_mesh(mesh)
+    refuse_a_second_exchange(model, "register_fsdp()")
     modules = fsdp_modules(model, "register_fsdp", hooks=True)
     names = {id(p): name for name, p in model.named_parameters()}
     layouts = []
@@ -165,6 +166,7 @@ def register_fsdp(
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if layout.slots:
             module.set_all_reduce_hook(handle.all_reduce_hook(layout, param_group))
+    hold(model, handle, "register_fsdp()")
     return handle
 
 

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.fsdp2 import sharded_modules
 from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.handle import hold, refuse_a_second_exchange
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import LocalUpdateHandle, replicated_local_updates
@@ -88,28 +89,33 @@ def local_updates(
             shard with the same rank of the other groups over torchft's process group; ``group`` is for a whole
             model only, and the checkpoint entry of a sharded model holds every rank of the world.
     """
+    bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    refuse_a_second_exchange(bare, "local_updates()")
     optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
     config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
                 "telemetry": telemetry, "timeout": timeout, "global_device": global_device}
+    handle: LocalUpdateHandle
     if mesh is None and not sharded_modules(model):
-        return replicated_local_updates(model, optimizers, config, compressor, group=group,
-                                        fault_tolerance=fault_tolerance, **exchange)
-    if fault_tolerance is not None:
+        handle = replicated_local_updates(model, optimizers, config, compressor, group=group,
+                                          fault_tolerance=fault_tolerance, **exchange)
+    elif fault_tolerance is not None:
         if mesh is not None or group is not None:
             raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
                              "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
                              "and torchft joins the groups; allowed: mesh=None, group=None")
-        return attach_fault_tolerant_sharded(model, optimizers, config, compressor, fault_tolerance, **exchange)
-    if mesh is None:
+        handle = attach_fault_tolerant_sharded(model, optimizers, config, compressor, fault_tolerance, **exchange)
+    elif mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
                          "fully_shard(..., mesh=mesh['shard'])")
-    if group is not None:
+    elif group is not None:
         raise ValueError("gradcomp.local_updates: `group` is for a whole model; a sharded model's replicas exchange "
                          "over mesh['replicate'] (leave group=None)")
-    handle = attach_sharded(model, mesh, config, compressor, **exchange)
-    handle.optimizers = optimizers
-    if optimizers:
-        handle.count_optimizer_steps(optimizers[0])
+    else:
+        handle = attach_sharded(model, mesh, config, compressor, **exchange)
+        handle.optimizers = optimizers
+        if optimizers:
+            handle.count_optimizer_steps(optimizers[0])
+    hold(bare, handle, "local_updates()")
     return handle
