@@ -260,10 +260,11 @@ class LocalUpdateLoop(ScheduledSyncs):
         if len(set(rows)) > 1:
             shown = "; ".join(f"rank {rank}: step {step}, fragment {part}, {count:,} elements"
                               for rank, (step, part, count) in enumerate(rows))
-            late = ", ".join(map(str, out_of_step(rows)))
+            late = out_of_step(rows)
+            who = "the ranks of the exchange are" if len(late) == len(rows) else \
+                f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of the exchange {'are' if len(late) > 1 else 'is'}"
             raise ScheduleMismatch(
-                f"gradcomp: local updates: rank(s) {late} of the exchange are out of step at this synchronisation "
-                f"({shown}). Every rank must synchronise at the same inner step: call sync() on every rank at the "
+                f"gradcomp: local updates: {who} out of step at this synchronisation ({shown}). Every rank must synchronise at the same inner step: call sync() on every rank at the "
                 "same point, count every optimizer step on every rank (handle.step() after each one where a "
                 "GradScaler may skip it), and give every rank the same model and fragments")
 
