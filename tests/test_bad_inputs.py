@@ -4,6 +4,7 @@ gets a row here."""
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import lightning as L
@@ -11,7 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp import GradCompHookState, GradCompSimStrategy, GradCompStrategy
+import lightning_gradcomp
+from lightning_gradcomp import GradCompHookState, GradCompSimStrategy, GradCompStrategy, LocalUpdates
 from lightning_gradcomp.callbacks import AdaptiveCompression, DGCWarmup, GradientNormTrigger
 from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, PowerSGD, RandomK, TopK, get_compressor
 
@@ -81,6 +83,18 @@ CONSTRUCTION = [
     ("warmup densities empty", lambda: DGCWarmup(epochs=2, densities=[]), "`densities` must be None"),
     ("warmup both lengths", lambda: DGCWarmup(epochs=2, steps=10), "give exactly one of `epochs` or `steps`"),
     ("warmup lr_warmup str", lambda: DGCWarmup(epochs=2, lr_warmup="yes"), "`lr_warmup` must be True or False"),
+    ("outer lr NaN", lambda: LocalUpdates(4, functools.partial(torch.optim.SGD, lr=NAN)),
+     "`outer_optimizer`: the outer optimizer's lr must be finite and >= 0"),
+    ("outer lr negative", lambda: LocalUpdates(4, functools.partial(torch.optim.SGD, lr=-1.0)),
+     r"`outer_optimizer`: building the outer optimizer failed: Invalid learning rate: -1.0 \(these are the outer"),
+    ("outer momentum 1", lambda: LocalUpdates(4, functools.partial(torch.optim.SGD, lr=0.7, momentum=1.0)),
+     r"the outer optimizer's momentum must be finite and in \[0, 1\)"),
+    ("outer not an optimizer", lambda: LocalUpdates(4, lambda params: list(params)),
+     "`outer_optimizer` must build a torch.optim.Optimizer"),
+    ("local optimizers None", lambda: lightning_gradcomp.local_updates(torch.nn.Linear(2, 2), None),
+     "`optimizers` must be the inner torch.optim.Optimizer that steps the model, or a non-empty list"),
+    ("local optimizers empty", lambda: lightning_gradcomp.local_updates(torch.nn.Linear(2, 2), []),
+     "with none, no synchronisation would ever happen"),
 ]
 
 

@@ -90,8 +90,8 @@ def local_updates(
             model only, and the checkpoint entry of a sharded model holds every rank of the world.
     """
     bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    optimizers = check_optimizers(optimizers)
     refuse_a_second_exchange(bare, "local_updates()")
-    optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
     config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
                 "telemetry": telemetry, "timeout": timeout, "global_device": global_device}
@@ -119,3 +119,17 @@ def local_updates(
             handle.count_optimizer_steps(optimizers[0])
     hold(bare, handle, "local_updates()")
     return handle
+
+
+def check_optimizers(optimizers: object) -> list[Optimizer]:
+    """``optimizers`` as a non-empty list of ``torch.optim.Optimizer``: the first one's steps count the window,
+    so with none no synchronisation would ever happen."""
+    if isinstance(optimizers, Optimizer):
+        return [optimizers]
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else None
+    if not listed or not all(isinstance(optimizer, Optimizer) for optimizer in listed):
+        raise ValueError(
+            "`optimizers` must be the inner torch.optim.Optimizer that steps the model, or a non-empty list of them "
+            f"(the first one's steps count the window: with none, no synchronisation would ever happen); got "
+            f"{optimizers!r:.80}")
+    return listed

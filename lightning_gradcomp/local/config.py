@@ -34,6 +34,7 @@ happen within that window of ``H`` steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
@@ -65,6 +66,34 @@ DILOCO_OUTER_MOMENTUM = 0.9
 def diloco_outer_optimizer(params: Iterable[Tensor]) -> Optimizer:
     """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
     return torch.optim.SGD(params, lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
+
+
+def check_outer_optimizer(factory: OuterOptimizerFactory) -> None:
+    """Build the outer optimizer once on a one-element parameter and check its settings before training: it
+    must be a ``torch.optim.Optimizer`` whose learning rate is finite and ``>= 0`` and whose momentum, if any,
+    is in ``[0, 1)`` (a NaN ``lr`` made θ_global NaN at the first synchronisation). Torch's own refusals name
+    the outer optimizer. A factory that cannot build on such a parameter is left to fail where it is used."""
+    try:
+        probe = factory([torch.zeros(1, requires_grad=True)])
+    except ValueError as error:
+        raise ValueError(f"`outer_optimizer`: building the outer optimizer failed: {error} (these are the outer "
+                         "optimizer's settings, applied to θ_global at each synchronisation, not the inner "
+                         "optimizer's)") from error
+    except Exception:  # noqa: BLE001 - a factory that needs the real parameters (named groups): checked there
+        return
+    if not isinstance(probe, Optimizer):
+        raise ValueError(f"`outer_optimizer` must build a torch.optim.Optimizer, e.g. functools.partial("
+                         f"torch.optim.SGD, lr=1.0); it built a {type(probe).__name__}")
+    for group in probe.param_groups:
+        for key, low, high, allowed in (("lr", 0.0, math.inf, ">= 0 (DiLoCo's is 0.7, SparseLoCo's 1.0)"),
+                                        ("momentum", 0.0, 1.0, "in [0, 1) (DiLoCo's is 0.9)")):
+            value = group.get(key)
+            if value is None or isinstance(value, bool):
+                continue
+            number = float(value)
+            if not math.isfinite(number) or not low <= number < high:
+                raise ValueError(f"`outer_optimizer`: the outer optimizer's {key} must be finite and {allowed}, "
+                                 f"got {value!r} (the inner optimizer's is the training loop's own)")
 
 
 @dataclass(frozen=True)
@@ -134,6 +163,8 @@ class LocalUpdates:
             raise ValueError("`outer_optimizer` must be None (DiLoCo's Nesterov SGD) or a callable that builds a "
                              "torch.optim.Optimizer from the parameters, e.g. functools.partial(torch.optim.SGD, "
                              f"lr=1.0); got {self.outer_optimizer!r}")
+        if self.outer_optimizer is not None:
+            check_outer_optimizer(self.outer_optimizer)
 
     def settings(self) -> dict[str, str]:
         """What of the schedule shapes the exchange, as text the same on every rank (the ranks of an exchange
