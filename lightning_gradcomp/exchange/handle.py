@@ -67,9 +67,10 @@ class ExchangeHandle:
     def use_compressor(self, compressor: Union[Compressor, str, None]) -> None:
         """Switch the compressor between two steps (a name or an instance; ``None``: send uncompressed).
         Residuals and compressor state are kept, keyed by parameter name. This is how a schedule changes
-        the compression: DDP accepts one communication hook per model, so :func:`register` cannot be called
-        again on the same model. The optimizers bound (:meth:`bind`) are checked against the new
-        compressor first (``ValueError`` on a conflict, and the compressor stays as it was)."""
+        the compression: a model takes one exchange at a time (DDP accepts one communication hook, and a second
+        registration is refused while this handle is open). The optimizers bound (:meth:`GradientHandle.bind`)
+        are checked against the new compressor first (``ValueError`` on a conflict, and the compressor stays
+        as it was)."""
         new = None if compressor is None else get_compressor(compressor)
         if new is not None:
             for optimizer in list(self._bound):
