@@ -222,18 +222,20 @@ def check_resume_views_sync_and_refusals(rank: int, world_size: int) -> None:
         assert any("local-update state" in str(w.message) for w in caught), [str(w.message) for w in caught]
     other_handle.close()
 
-    # refusals
-    native = _shard(_model(), mesh)
-    _raises(lambda: lightning_gradcomp.local_updates(native, [], 3, mesh=mesh), "native HSDP")
+    # refusals (each with a real inner optimizer: an empty list is refused first)
+    def refused(model, words: str, **kwargs) -> None:
+        _raises(lambda: lightning_gradcomp.local_updates(model, _inner_optimizer(model.parameters()), 3, **kwargs),
+                words)
+
+    refused(_shard(_model(), mesh), "native HSDP", mesh=mesh)
     sharded = _shard(_model(), mesh["shard"])
-    _raises(lambda: lightning_gradcomp.local_updates(sharded, [], 3), "pass the 2-D mesh")
-    _raises(lambda: lightning_gradcomp.local_updates(sharded, [], 3, mesh=mesh, group=dist.group.WORLD), "group")
-    _raises(lambda: lightning_gradcomp.local_updates(sharded, [], 3, mesh=mesh, global_device="cuda:0"),
-            "global_device")
+    refused(sharded, "pass the 2-D mesh")
+    refused(sharded, "group", mesh=mesh, group=dist.group.WORLD)
+    refused(sharded, "global_device", mesh=mesh, global_device="cuda:0")
     partly = _model()
     for block in partly.blocks:
         fully_shard(block, mesh=mesh["shard"])
-    _raises(lambda: lightning_gradcomp.local_updates(partly, [], 3, mesh=mesh), "not sharded by any fully_shard")
+    refused(partly, "not sharded by any fully_shard", mesh=mesh)
 
 
 def _raises(call, words: str) -> None:
