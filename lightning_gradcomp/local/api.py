@@ -115,8 +115,7 @@ def local_updates(
     else:
         handle = attach_sharded(model, mesh, config, compressor, **exchange)
         handle.optimizers = optimizers
-        if optimizers:
-            handle.count_optimizer_steps(optimizers[0])
+        handle.count_optimizer_steps(optimizers[0])
     hold(bare, handle, "local_updates()")
     return handle
 
