@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lightning_gradcomp
+from lightning_gradcomp.core.fsdp2 import param_groups
 
 STEPS = 3
 
@@ -115,7 +116,7 @@ def check_every_compressor_against_the_oracle(rank: int, world_size: int) -> Non
         seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         modules = dict(model.named_modules())
         for layout in handle.layouts:
-            group = modules[layout.module]._get_fsdp_state()._fsdp_param_groups[0]
+            group = param_groups(modules[layout.module])[0]
             modules[layout.module].set_all_reduce_hook(_recording(handle.all_reduce_hook(layout, group), layout, seen))
         shapes = {slot.name: slot.shape for layout in handle.layouts for slot in layout.slots}
         for step in range(2):

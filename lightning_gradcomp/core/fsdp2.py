@@ -49,7 +49,7 @@ def fsdp_modules(model: torch.nn.Module, caller: str, hooks: bool = False) -> li
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = param_groups(module)
         if len(groups) > 1:
             raise ValueError(f"gradcomp: the FSDP module {name or 'root'} has {len(groups)} parameter groups "
                              f"(fully_shard with shard_placement_fn and several meshes); {caller} needs one per "
@@ -60,6 +60,16 @@ def fsdp_modules(model: torch.nn.Module, caller: str, hooks: bool = False) -> li
         raise ValueError(f"gradcomp: {caller} found no module sharded with FSDP2; apply "
                          "fully_shard(module, mesh=mesh['shard']) to the model's blocks and to the model first")
     return found
+
+
+def param_groups(module: Any) -> list[Any]:
+    """The FSDP2 parameter groups of one ``fully_shard`` module: a list in newer torch
+    (``FSDPState._fsdp_param_groups``), one group or ``None`` in torch 2.11 and earlier (``FSDPState._fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def check_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
