@@ -41,6 +41,7 @@ from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.agreement import ScheduleMismatch, SettingsMismatch
+from lightning_gradcomp.exchange.waits import WaitTimeout
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
@@ -113,4 +114,5 @@ __all__ = [
     "StepStats",
     "TernGrad",
     "TopK",
+    "WaitTimeout",
 ]

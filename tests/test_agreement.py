@@ -81,3 +81,24 @@ def test_the_ranks_out_of_step_are_those_off_the_majority_or_all() -> None:
     assert out_of_step([(4, 0, 10), (4, 0, 10), (2, 0, 10)]) == [2]
     assert out_of_step([(4, 0, 10), (2, 0, 10)]) == [0, 1]
     assert out_of_step([(4, 0, 10)] * 3) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["a_rank_that_never_registers_is_named", "a_summary_on_one_rank_is_named",
+                                  "a_sync_on_one_rank_is_named"])
+def test_a_collective_outside_the_step_gives_up_after_its_bound_naming_the_absent_rank(case: str) -> None:
+    """register(), summary() and a local-update sync() called on rank 0 alone: rank 0 raises WaitTimeout
+    after GRADCOMP_WAIT_TIMEOUT seconds (1 here), naming the call and rank 1, instead of waiting for gloo's
+    30 minutes."""
+    run_gloo(getattr(_workers(), f"check_{case}"), 2)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "soon"])
+def test_a_bad_wait_bound_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from lightning_gradcomp.exchange.waits import wait_timeout_s
+
+    monkeypatch.setenv("GRADCOMP_WAIT_TIMEOUT", value)
+    with pytest.raises(ValueError, match="GRADCOMP_WAIT_TIMEOUT must be a positive number of seconds"):
+        wait_timeout_s()
+    monkeypatch.setenv("GRADCOMP_WAIT_TIMEOUT", "2.5")
+    assert wait_timeout_s() == 2.5

@@ -5,7 +5,9 @@ Two ranks that exchange with different settings (another compressor or density, 
 different order: gloo aborts the process ("Received data size doesn't match expected size"), waits until
 its timeout, or pairs the wrong payloads and trains on a silent mix. :func:`check_agreement` compares the
 settings of every rank of the exchange's group before any payload moves: one all-gather of two 64-bit
-integers per rank (a fingerprint of the settings and their number). Where they differ, every rank
+integers per rank (a fingerprint of the settings and their number), waited for at most
+``GRADCOMP_WAIT_TIMEOUT`` seconds (:mod:`~lightning_gradcomp.exchange.waits`: a rank that never registers
+is named). Where they differ, every rank
 gathers every rank's settings (a second, small collective that only a mismatch costs) and raises the same
 :class:`SettingsMismatch`, naming each setting that differs and every rank's value.
 """
@@ -18,6 +20,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_gradcomp.exchange.waits import Arrival
 
 #: a value longer than this is cut in the message (a shard layout of a large model)
 _SHOWN = 160
@@ -60,7 +64,10 @@ def check_agreement(settings: Mapping[str, str], group: Optional[dist.ProcessGro
         if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
     mine = torch.tensor([fingerprint(settings), len(settings)], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    arrival = Arrival(caller, group, "every rank's settings",
+                      f"a script that calls {caller} on some ranks only (e.g. under `if rank == 0`) must call it on "
+                      "every rank")
+    arrival.wait(dist.all_gather(everyone, mine, group=group, async_op=True))
     if all(torch.equal(theirs, mine) for theirs in everyone):  # at registration, not in a step: the host reads
         return
     gathered: list[Any] = [None] * len(everyone)

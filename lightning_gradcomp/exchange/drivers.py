@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from lightning_gradcomp.core.device import on_stream
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Collective, CollectiveRound
+from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.metrics.stats import collective_bytes_sent
 
 
@@ -166,14 +167,18 @@ class TorchDriver(_ByteCounter):
         collective = Collective("all_reduce", tensor)
         self._wait(*self._issue(collective))
 
-    def all_gather(self, tensor: Tensor) -> Tensor:
+    def all_gather(self, tensor: Tensor, arrival: Optional[Arrival] = None) -> Tensor:
         """Every rank's ``tensor`` (the same size on each), one row per rank: blocking, counted like any other
-        collective."""
-        return self._wait(*self._issue(Collective("all_gather", tensor)))
+        collective. With ``arrival`` (made just before, on every rank) the host waits at most
+        ``GRADCOMP_WAIT_TIMEOUT`` seconds (:class:`~lightning_gradcomp.exchange.waits.WaitTimeout`)."""
+        issued = self._issue(Collective("all_gather", tensor))
+        if arrival is not None:
+            arrival.wait(issued[3])
+        return self._wait(*issued)
 
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective, Optional[dist.Work]]:
-        """Issue ``collective``: its future, where its result lands, the collective, and (NCCL only: see
-        :meth:`_wait`) its work handle."""
+        """Issue ``collective``: its future, where its result lands, the collective, and its work handle
+        (waited for by :meth:`_wait` on NCCL only, see there)."""
         self.count(collective, self.world_size)
         tensor = collective.tensor
         if collective.kind == "all_reduce":
@@ -187,7 +192,7 @@ class TorchDriver(_ByteCounter):
             output = tensor.new_empty(self.world_size * tensor.numel())
             work = _all_gather_single()(output, tensor, group=self.group, async_op=True)
             result = output.view(self.world_size, -1)
-        return work.get_future(), result, collective, work if self._releases_on_wait else None
+        return work.get_future(), result, collective, work
 
     def _wait(self, future: Future, result: Tensor, collective: Collective, work: Optional[dist.Work]) -> Tensor:
         """The collective's result, once it is done: on gloo the host waits (and a failure raises); on CUDA
@@ -197,7 +202,7 @@ class TorchDriver(_ByteCounter):
         completes the work, would wait for itself."""
         try:
             future.wait()
-            if work is not None:
+            if work is not None and self._releases_on_wait:
                 work.wait()
         except Exception as error:
             raise CollectiveError(

@@ -27,6 +27,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     restore_entry,
 )
 from lightning_gradcomp.exchange.session import ExchangeSession
+from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.summary import summarise
@@ -107,7 +108,10 @@ class ExchangeHandle:
 
         def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
             values = values.to(self._collective_device())
-            dist.all_reduce(values, group=group)
+            arrival = Arrival("summary()", group, "every rank's figures",
+                              "to print it on one rank, call it on every rank and print there: "
+                              "`text = handle.summary()`, then `if rank == 0: print(text)`")
+            arrival.wait(dist.all_reduce(values, group=group, async_op=True))
             return values.cpu() / dist.get_world_size(group)
 
         return summarise(self.hook_state, self.compressor, self._exchange_workers(), network, mean_over_ranks,

@@ -28,6 +28,7 @@ from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.agreement import out_of_step, ScheduleMismatch
 from lightning_gradcomp.exchange.drivers import collective_device
 from lightning_gradcomp.exchange.engine import Entry
+from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
 from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
@@ -256,7 +257,10 @@ class LocalUpdateLoop(ScheduledSyncs):
         elements = sum(self.params[i].numel() for i in self.outer.members(fragment))
         mine = torch.tensor([self.outer.optimizer_steps, fragment, elements], dtype=torch.int64,
                             device=collective_device(driver.group))
-        rows = [tuple(row) for row in driver.all_gather(mine).tolist()]  # between steps, not in a hook
+        arrival = Arrival("local updates' sync()", driver.group, "every rank's step at this synchronisation",
+                          "every rank synchronises after the same number of inner steps (a rank that stopped "
+                          "early, or is stuck in a collective of its own, holds up the others)")
+        rows = [tuple(row) for row in driver.all_gather(mine, arrival).tolist()]  # between steps, not in a hook
         if len(set(rows)) > 1:
             shown = "; ".join(f"rank {rank}: step {step}, fragment {part}, {count:,} elements"
                               for rank, (step, part, count) in enumerate(rows))
