@@ -208,3 +208,61 @@ def check_a_sync_on_one_rank_is_named(rank: int, world_size: int) -> None:
         _expect_timeout(handle.sync, "local updates' sync() on rank 0", "rank 1 never reached it")
     else:
         _stay()
+
+
+# ---------------------------------------------------------------------- FSDP2's pitfalls
+def _raises(call: Callable[[], Any], *phrases: str) -> None:
+    try:
+        call()
+    except ValueError as error:
+        assert all(phrase in str(error) for phrase in phrases), str(error)
+        return
+    raise AssertionError(f"accepted: {phrases}")
+
+
+def check_fsdp2_pitfalls_are_caught(rank: int, world_size: int) -> None:
+    """An optimizer built before fully_shard is refused at its first step under register_fsdp and at
+    local_updates(mesh=); model.to() after register_fsdp works (no weak reference to a parameter)."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+
+    def sharded_with_an_optimizer_from_before() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _model()
+        stale = torch.optim.SGD(model.parameters(), lr=0.1)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        return model, stale
+
+    model, stale = sharded_with_an_optimizer_from_before()
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "int8")
+    model.to("cpu")  # torch's swap_tensors refused this while the handle held weak references to the parameters
+    model.cpu()
+    model(torch.ones(2, 32)).sum().backward()
+    _raises(stale.step, "optimizer.step()", "before fully_shard", "Build the optimizer after fully_shard")
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    fresh.step()  # the right optimizer trains
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    handle.close()
+
+    model, stale = sharded_with_an_optimizer_from_before()
+    _raises(lambda: lightning_gradcomp.local_updates(model, stale, 4, "none", mesh=mesh),
+            "local_updates()", "before fully_shard")
+    other = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1)
+    _raises(lambda: lightning_gradcomp.local_updates(model, other, 4, "none", mesh=mesh),
+            "steps none of the model's parameters")
+
+    # a model cast after local_updates(): every synchronisation would round it back to θ_global's dtype
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = lightning_gradcomp.local_updates(model, optimizer, 2, "none")
+    model.double()
+    model(torch.ones(2, 32, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    try:
+        optimizer.step()  # the second step synchronises
+    except RuntimeError as error:
+        assert "is now torch.float64" in str(error) and "before local_updates()" in str(error), str(error)
+    else:
+        raise AssertionError("a model cast after local_updates() was synchronised")
+    handle.close()

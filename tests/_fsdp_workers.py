@@ -209,6 +209,29 @@ def check_bad_meshes_and_modules_are_refused(rank: int, world_size: int) -> None
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     with pytest.raises(ValueError, match="sharded over other ranks than mesh\\['shard'\\]"):
         lightning_gradcomp.register_fsdp(_shard(_model(), other["shard"]), mesh, "topk")
+    # several parameter groups in one module (fully_shard with a shard_placement_fn over several meshes): FSDP2
+    # builds them only on meshes this test cannot make, so the groups of a real module are listed twice
+    from lightning_gradcomp.core import fsdp2
+    from lightning_gradcomp.fsdp import handle as fsdp_handle
+
+    real_groups = fsdp2.param_groups
+    fsdp2.param_groups = lambda module: real_groups(module) * 2
+    try:
+        with pytest.raises(ValueError, match="has 2 parameter groups"):
+            lightning_gradcomp.register_fsdp(_shard(_model(), mesh["shard"]), mesh, "topk")
+    finally:
+        fsdp2.param_groups = real_groups
+    # compiled autograd: the hook's guard, with torch's flag as compiled autograd sets it while it runs
+    model = _shard(_model(), mesh["shard"])
+    handle = lightning_gradcomp.register_fsdp(model, mesh, "topk")
+    real_flag = fsdp_handle._compiled_autograd_active
+    fsdp_handle._compiled_autograd_active = lambda: True
+    try:
+        with pytest.raises(RuntimeError, match="does not run under compiled autograd"):
+            fsdp_handle._check_reduce_settings("", None)
+    finally:
+        fsdp_handle._compiled_autograd_active = real_flag
+    handle.close()
 
 
 def check_a_non_finite_shard(rank: int, world_size: int) -> None:

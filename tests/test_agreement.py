@@ -69,6 +69,15 @@ def test_a_second_exchange_on_one_model_is_refused_until_the_first_is_closed() -
     run_gloo(_workers().check_a_second_exchange_on_one_model_is_refused, 2)
 
 
+@pytest.mark.multiprocess
+def test_fsdp2_pitfalls_are_caught_or_work() -> None:
+    """An optimizer built before fully_shard (it holds the replaced parameters: nothing would train) is
+    refused under register_fsdp and local_updates(mesh=), an optimizer of another model too; model.to()
+    after register_fsdp works; a model cast to another dtype after local_updates() is refused at its first
+    synchronisation."""
+    run_gloo(_workers().check_fsdp2_pitfalls_are_caught, 2)
+
+
 def _workers():  # noqa: ANN202 - imported late: FSDP2's import is not needed by the single-process tests
     from tests import _agreement_workers
 
@@ -102,3 +111,21 @@ def test_a_bad_wait_bound_is_refused_naming_the_variable(monkeypatch: pytest.Mon
         wait_timeout_s()
     monkeypatch.setenv("GRADCOMP_WAIT_TIMEOUT", "2.5")
     assert wait_timeout_s() == 2.5
+
+
+def test_no_quorum_says_whether_the_lighthouse_answers() -> None:
+    """One group under a lighthouse of --min_replicas 2 is told that too few groups joined (it used to be
+    asked whether the lighthouse runs); an address where nothing listens is told to start one."""
+    import socket
+
+    from lightning_gradcomp.local.fault_tolerance import FaultTolerance, describe_no_quorum
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        answering = FaultTolerance(lighthouse=f"http://127.0.0.1:{listening.getsockname()[1]}", quorum_timeout=2)
+        message = describe_no_quorum(answering, TimeoutError("Timeout expired"))
+        closed_port = listening.getsockname()[1]
+    assert "though the lighthouse answers" in message and "--min_replicas" in message and "quorum_timeout" in message
+    silent = describe_no_quorum(FaultTolerance(lighthouse=f"http://127.0.0.1:{closed_port}"), TimeoutError("x"))
+    assert "nothing answers at that address" in silent and "torchft_lighthouse --min_replicas 1" in silent

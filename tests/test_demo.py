@@ -1,6 +1,8 @@
 """DeMo against a float64 reference of its seven steps (2 workers, several optimizer steps), its tiling and
 wire format counted at the collective, tensors sent dense, the optimizer it accepts, and its use every
-step in a Lightning run and as the outer compressor of local updates."""
+step in a Lightning run and as the outer compressor of local updates; step 2's learning rate per parameter
+group (a schedule changing the groups' ratio) against a re-implementation of the authors' DeMo optimizer,
+directly, in the simulated strategy and through register()'s handle."""
 
 from __future__ import annotations
 
@@ -438,3 +440,276 @@ def test_a_bucket_keeps_an_index_per_band_or_per_run_not_per_element() -> None:
     assert indices == 4 * 20 * 4 and plan.layout.coarse_rows.rows == 4
     indices, total, plan = held(((768, 768), (768, 3072), (3072, 768)))  # tiles of 64 x 64
     assert indices == total // 64 * 4 and plan.layout.coarse_rows.rows == total // (768 * 768)
+
+
+# ---------------------------------------------------------------------- step 2's η per parameter group
+#: two parameter groups (``a.*`` and ``b.*``) with tensors of the same tile shapes in both, so that the
+#: bucket-wise path meets a tile group (8 x 8, 1 x 8) and a dense segment with two learning rates
+GROUPED_SHAPES = {"a.weight": (16, 24), "a.bias": (48,), "a.norm": (8,),
+                  "b.weight": (24, 16), "b.bias": (40,), "b.norm": (12,)}
+GROUP_LRS, GROUP_DECAYS = (0.02, 0.05), (0.1, 0.0)
+#: a LambdaLR whose ratio between the groups changes at every step
+GROUP_LAMBDAS = (lambda step: 1.0 - 0.1 * step, lambda step: 0.6 ** step)
+CHUNK, K, BETA, DENSE_BELOW = 8, 5, 0.9, 32
+
+
+def _dct_basis(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II basis from its definition (the authors build it as ``_dct(eye(n), "ortho")``)."""
+    i, j = torch.arange(n, dtype=torch.float64).unsqueeze(1), torch.arange(n, dtype=torch.float64).unsqueeze(0)
+    basis = torch.cos(torch.pi * (2 * j + 1) * i / (2 * n)) * (2.0 / n) ** 0.5
+    basis[0] /= 2 ** 0.5
+    return basis
+
+
+class _AuthorsDeMo:
+    """The authors' DeMo optimizer (github bloc97/DeMo, ``demo.py``: ``DeMo(torch.optim.SGD).step``) for one
+    worker, written out: for every parameter group and its ``lr`` *at this step*, for every parameter
+    ``p.mul_(1 − lr·λ)``, ``delta.mul_(β).add_(grad, alpha=lr)``, the DCT of each tile (``TransformDCT``:
+    ``(y h) (x w) -> y x h w`` tiles of the largest divisors at most the chunk; a 1-D tensor in rows of
+    ``w``), the ``k`` of largest magnitude per tile (``CompressDCT``, ``k`` clamped to the tile), what they
+    decode to subtracted from ``delta``, the all-gather (one worker), per coefficient the mean over the
+    workers that chose it (``scatter_reduce(..., "mean", include_self=False)``), decoded, its sign as the
+    gradient, then SGD's step ``p.add_(sign, alpha=-lr)``. A tensor the package sends dense takes every
+    coefficient (``k`` = the tile). ``first_group_lr``: the momentum weighs gradients by the first group's
+    ``lr`` instead (the package before it read each parameter's group)."""
+
+    def __init__(self, optimizer: torch.optim.SGD, names: dict[int, str], first_group_lr: bool = False) -> None:
+        self.optimizer, self.names, self.first_group_lr = optimizer, names, first_group_lr
+        self.delta: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _tiles(shape: tuple[int, ...]) -> tuple[int, int]:
+        rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+        return largest_divisor_at_most(rows, CHUNK), largest_divisor_at_most(cols, CHUNK)
+
+    def _encode(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """``(tiles, a·b)`` coefficients, tiles in row-major grid order."""
+        rows, cols = x.reshape(-1, x.shape[-1]).shape
+        tiles = x.reshape(rows // a, a, cols // b, b)
+        return torch.einsum("yhxw,bh,dw->yxbd", tiles, _dct_basis(a), _dct_basis(b)).reshape(-1, a * b)
+
+    def _decode(self, coefficients: torch.Tensor, shape: tuple[int, ...], a: int, b: int) -> torch.Tensor:
+        rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+        tiles = coefficients.reshape(rows // a, cols // b, a, b)
+        return torch.einsum("yxbd,bh,dw->yhxw", tiles, _dct_basis(a), _dct_basis(b)).reshape(shape)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        first_lr = float(self.optimizer.param_groups[0]["lr"])
+        for group, decay in zip(self.optimizer.param_groups, GROUP_DECAYS):
+            lr = float(group["lr"])
+            for p in group["params"]:
+                name = self.names[id(p)]
+                p.mul_(1.0 - lr * decay)
+                delta = self.delta.setdefault(name, torch.zeros_like(p))
+                delta.mul_(BETA).add_(p.grad, alpha=first_lr if self.first_group_lr else lr)
+                a, b = self._tiles(tuple(p.shape))
+                k = a * b if p.numel() < DENSE_BELOW else min(K, a * b)
+                coefficients = self._encode(delta, a, b)
+                indices = coefficients.abs().topk(k, dim=-1, sorted=False).indices
+                values = coefficients.gather(-1, indices)
+                sent = torch.zeros_like(coefficients).scatter_reduce_(-1, indices, values, "mean", include_self=False)
+                delta.sub_(self._decode(sent, tuple(p.shape), a, b))
+                gathered_indices, gathered_values = [indices], [values]  # the all-gather of one worker
+                mean = torch.zeros_like(coefficients).scatter_reduce_(
+                    -1, torch.cat(gathered_indices, -1), torch.cat(gathered_values, -1), "mean", include_self=False)
+                p.grad = self._decode(mean, tuple(p.shape), a, b).sign_()
+        self.optimizer.step()  # SGD with weight_decay=0: p ← p − lr·sign
+
+
+def _grouped_model(lr_type: str) -> tuple[dict[str, torch.nn.Parameter], torch.optim.SGD,
+                                          torch.optim.lr_scheduler.LambdaLR]:
+    """Float64 parameters (no tie in a top-k, no sign within rounding of 0), their SGD of two groups and the
+    schedule; ``lr_type="tensor"``: each group's ``lr`` a 0-d tensor (changed in place by the scheduler)."""
+    generator = torch.Generator().manual_seed(7)
+    params = {name: torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=torch.float64))
+              for name, shape in GROUPED_SHAPES.items()}
+    wrap = (lambda lr: torch.tensor(lr, dtype=torch.float64)) if lr_type == "tensor" else float
+    groups = [{"params": [p for name, p in params.items() if name.startswith(prefix)], "lr": wrap(lr),
+               "weight_decay": decay} for prefix, lr, decay in zip("ab", GROUP_LRS, GROUP_DECAYS)]
+    optimizer = torch.optim.SGD(groups, lr=0.0)
+    return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, list(GROUP_LAMBDAS))
+
+
+def _grouped_gradient(name: str, p: torch.Tensor, step: int) -> torch.Tensor:
+    """A pull towards a target that changes every step (so a wrong step changes every later gradient)."""
+    generator = torch.Generator().manual_seed(100 * step + list(GROUPED_SHAPES).index(name))
+    return p.detach() - torch.randn(p.shape, generator=generator, dtype=p.dtype)
+
+
+def _run_the_authors_demo(steps: int, first_group_lr: bool = False) -> dict[str, torch.Tensor]:
+    params, optimizer, schedule = _grouped_model("float")
+    for group in optimizer.param_groups:
+        group["weight_decay"] = 0.0  # the authors decay the weights themselves (DeMo(weight_decay=...))
+    reference = _AuthorsDeMo(optimizer, {id(p): name for name, p in params.items()}, first_group_lr)
+    for step in range(steps):
+        for name, p in params.items():
+            p.grad = _grouped_gradient(name, p, step)
+        reference.step()
+        schedule.step()
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+@pytest.mark.parametrize("lr_type", ["float", "tensor"])
+@pytest.mark.parametrize("bucket_wise", [False, True], ids=["per-tensor", "bucket-wise"])
+def test_each_parameter_takes_its_own_groups_learning_rate_as_the_authors_demo_does(bucket_wise: bool,
+                                                                                    lr_type: str) -> None:
+    """Two parameter groups whose learning rates change in different ratios (a LambdaLR of one lambda per
+    group), 6 steps of one worker: our DeMo bound to the SGD with the parameters' names (what
+    ``gradcomp.bind`` and the strategies pass) ends where the authors' DeMo ends, per tensor and bucket-wise
+    (a tile group and the dense tensors mixing the two groups' rates), with float and 0-d tensor ``lr``s.
+    The momentum weighed by the first group's rate for every parameter (the package before) ends 0.09 away."""
+    steps = 6
+    expected = _run_the_authors_demo(steps)
+    before = _run_the_authors_demo(steps, first_group_lr=True)
+    assert max((before[name] - expected[name]).abs().max().item() for name in GROUPED_SHAPES) > 0.05
+    params, optimizer, schedule = _grouped_model(lr_type)
+    compressor = DeMo(chunk=CHUNK, k=K, decay=BETA)
+    compressor.check_optimizer(optimizer, names={id(p): name for name, p in params.items()})
+    with accelerator_path() if bucket_wise else contextlib.nullcontext():
+        assert (compressor.segment_alignment(torch.device("cpu")) is not None) == bucket_wise
+        exchange = SimulatedExchange(compressor, 1, min_compress_numel=DENSE_BELOW)
+        for step in range(steps):
+            exchange.add_worker(0, [(name, _grouped_gradient(name, p, step).reshape(-1)) for name, p in params.items()],
+                                GROUPED_SHAPES)
+            aggregate = exchange.finish_step()
+            for name, p in params.items():
+                p.grad = aggregate[name].view(p.shape).clone()
+            optimizer.step()
+            schedule.step()
+    for name, p in params.items():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+
+
+def test_the_learning_rate_of_each_parameter_follows_the_optimizers_bound() -> None:
+    """Each name finds its group; a group added later is found; a parameter in no group of the optimizers
+    bound with names takes lr=1 with a warning naming it once; without names, several groups warn."""
+    import pickle
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    names = {id(p): name for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1}], lr=0.5)
+    compressor = DeMo()
+    compressor.check_optimizer(optimizer, names=names)
+    assert compressor._learning_rate("0.weight") == 0.1
+    unheld = r"parameter '1.bias' is in no parameter group of the optimizers bound \(SGD\): step 2 takes lr=1"
+    with pytest.warns(UserWarning, match=unheld):
+        assert compressor._learning_rate("1.bias") == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compressor._learning_rate("1.bias") == 1.0  # warned once
+    optimizer.add_param_group({"params": model[1].parameters(), "lr": 0.3})
+    optimizer.param_groups[0]["lr"] = 0.2
+    assert [compressor._learning_rate(name) for name in ("0.bias", "1.weight")] == [0.2, 0.3]
+    second = torch.optim.SGD([{"params": [model[1].bias], "lr": 0.7}])  # a second optimizer: it wins its parameter
+    compressor.check_optimizer(second, names=names)
+    assert [compressor._learning_rate(name) for name in ("0.bias", "1.weight", "1.bias")] == [0.2, 0.3, 0.7]
+    assert pickle.loads(pickle.dumps(compressor))._learning_rate("0.bias") == 1.0  # the binding is per process
+    with pytest.warns(UserWarning, match="SGD has 2 parameter groups, but no parameter names came with it"):
+        DeMo().check_optimizer(optimizer)
+
+
+def test_bind_and_the_strategies_check_pass_the_parameter_names() -> None:
+    """``check_fit_setup`` (the strategies') and the handles' ``check_optimizer`` hand DeMo the names; a
+    compressor whose ``check_optimizer`` takes none is called as before."""
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.compressors import TopK
+    from lightning_gradcomp.lightning.options import check_fit_setup
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    names = {id(p): name for name, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                                 {"params": model[1].parameters(), "lr": 0.3}])
+    compressor = DeMo()
+    check_fit_setup(compressor, False, [optimizer], SimpleNamespace(scaler=None), names=names)
+    assert [compressor._learning_rate(name) for name in ("0.weight", "1.bias")] == [0.1, 0.3]
+    TopK(0.1).check_optimizer(optimizer, names=names)  # every compressor takes the names (most ignore them)
+    compressor = DeMo()
+    compressor.check_optimizer(optimizer, names=names)
+    assert compressor._learning_rate("1.weight") == 0.3
+
+
+def test_the_simulated_strategy_binds_each_parameter_to_its_group(tmp_path) -> None:
+    """The same two groups and schedule in a Lightning run (GradCompSimStrategy of one worker; the loss's
+    gradient is the pull of :func:`_grouped_gradient`): the strategy's optimizer check passes the module's
+    parameter names, and the parameters end where the authors' DeMo ends."""
+    import lightning as L
+
+    from lightning_gradcomp import GradCompSimStrategy
+
+    class Grouped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            params, _, _ = _grouped_model("float")
+            self.a, self.b = torch.nn.Module(), torch.nn.Module()
+            for name, p in params.items():
+                prefix, _, leaf = name.partition(".")
+                getattr(self, prefix).register_parameter(leaf, p)
+
+        def training_step(self, batch, batch_idx):
+            step = self.trainer.global_step
+            targets = {name: p.detach() - _grouped_gradient(name, p, step) for name, p in self.named_parameters()}
+            loss = sum(0.5 * (p - targets[name]).square().sum() for name, p in self.named_parameters())
+            return loss + 0 * batch.sum()
+
+        def configure_optimizers(self):
+            groups = [{"params": [p for name, p in self.named_parameters() if name.startswith(prefix)], "lr": lr,
+                       "weight_decay": decay} for prefix, lr, decay in zip("ab", GROUP_LRS, GROUP_DECAYS)]
+            optimizer = torch.optim.SGD(groups, lr=0.0)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, list(GROUP_LAMBDAS))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    steps = 6
+    model = Grouped()
+    strategy = GradCompSimStrategy(workers=1, compressor=DeMo(chunk=CHUNK, k=K, decay=BETA),
+                                   min_compress_numel=DENSE_BELOW, print_summary=False, log_stats=False)
+    data = torch.utils.data.DataLoader(torch.zeros(steps, 1, dtype=torch.float64), batch_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, precision="64-true",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(model, train_dataloaders=data)
+    assert trainer.global_step == steps
+    expected = _run_the_authors_demo(steps)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+
+
+def _check_register_binds_each_group(rank: int, world_size: int) -> None:
+    """In a gloo process: ``register()``'s handle binds with the model's names, by ``bind`` and at the first
+    step of an optimizer it was not given (its ``OptimizerWatch``), and a switched-to DeMo is bound so too."""
+    import lightning_gradcomp
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                                 {"params": model[1].parameters(), "lr": 0.3}])
+    compressor = DeMo(chunk=4, k=2)
+    handle = lightning_gradcomp.register(ddp, compressor, min_compress_numel=16)
+    handle.bind(optimizer)
+    assert [compressor._learning_rate(name) for name in ("0.weight", "1.bias")] == [0.1, 0.3]
+    switched = DeMo(chunk=4, k=2)
+    handle.use_compressor(switched)
+    assert [switched._learning_rate(name) for name in ("0.bias", "1.weight")] == [0.1, 0.3]
+    handle.close()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    compressor = DeMo(chunk=4, k=2)
+    handle = lightning_gradcomp.register(ddp, compressor, min_compress_numel=16)
+    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                                 {"params": model[1].parameters(), "lr": 0.3}])
+    with pytest.warns(UserWarning, match="no optimizer is bound"):
+        ddp(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # the watch binds it, with the names
+    assert [compressor._learning_rate(name) for name in ("0.weight", "1.bias")] == [0.1, 0.3]
+    handle.close()
+
+
+def test_register_binds_each_parameter_to_its_group() -> None:
+    from tests._processes import run_gloo
+
+    run_gloo(_check_register_binds_each_group, 1)

@@ -34,7 +34,7 @@ import math
 from abc import ABC
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -255,8 +255,11 @@ class Compressor(ABC):
         """
         return tensor
 
-    def check_optimizer(self, optimizer: Any) -> None:
-        """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training)."""
+    def check_optimizer(self, optimizer: Any, names: Optional[Mapping[int, str]] = None) -> None:
+        """Raise ``ValueError`` if ``optimizer`` conflicts with this compressor (called before training, and by
+        ``bind``). ``names``: the model's parameter names, ``id(parameter) -> name`` (the names the exchange's
+        tensors carry), where the entry point knows them: a compressor that reads each parameter's group
+        (DeMo's learning rate) finds it by them."""
 
     def check_gradient_dtype(self, dtype: torch.dtype) -> None:
         """Raise ``ValueError`` if gradients of ``dtype`` cannot be compressed faithfully (the engine calls it

@@ -16,15 +16,23 @@ The compressor does steps 2-6 and hands ``ĝ = sign(IDCT(mean))`` to the optimiz
 The learning rate and the weight decay live in the optimizer, which must be plain SGD (no momentum, no
 moments: DeMo's momentum replaces them, :meth:`DeMo.check_optimizer` refuses the others):
 ``SGD(lr=η, weight_decay=λ)`` computes ``p ← p − η·(ĝ + λ·p) = p·(1 − η·λ) − η·ĝ``, steps 1 and 7 exactly.
-Step 2 reads ``η`` from that optimizer (its first parameter group, at every step), so the momentum
-weighs each gradient by its step's learning rate as the reference does; the strategies bind it when
-they check the optimizer, a bare ``register()`` user calls ``gradcomp.bind(optimizer)`` before the first
-backward (the handle warns at the first exchange when none is bound, and checks and binds the first
-optimizer that steps the model, one step late).
+Step 2 reads each parameter's ``η`` from the parameter group of that optimizer that holds it, at every
+step (a scheduler changes it; a group's ``lr`` may be a 0-d tensor), so the momentum weighs each
+gradient by its step's learning rate as the reference does, also when the groups' ratios change. The
+compressor sees tensors by name: binding (:meth:`DeMo.check_optimizer` with ``names``, ``{id(parameter):
+name}`` of the model's ``named_parameters()``) maps each name to its group, and the map follows groups
+added later (``add_param_group``). The strategies bind with the names when they check the optimizers, a
+bare ``register()`` user calls ``gradcomp.bind(optimizer)`` before the first backward (the handle warns at
+the first exchange when none is bound, and checks and binds the first optimizer that steps the model,
+one step late); several optimizers may be bound (each parameter takes the group of the one that holds it).
+A parameter that no optimizer bound with names holds (trainable, but in none of their groups: stepped by
+no optimizer, or by one not bound yet) takes ``η = 1``, as an unbound DeMo does, with a warning naming it
+once; it is not an error, as a model's optimizers are bound one at a time (and a parameter that no
+optimizer steps does not move whatever its ``η``). An optimizer bound without names (a direct
+``check_optimizer(optimizer)`` call) gives every parameter its first group's ``η``; with several groups it
+warns that it cannot tell them apart.
 Unbound (as the outer compressor of local updates, whose outer gradients already carry the learning
-rate), ``η = 1`` in step 2. Parameter groups whose learning rates keep constant ratios (any scheduler
-that scales them alike) select the same coefficients and signs as with their own ``η``: per tile the
-selection, and per tensor the sign, do not depend on a constant factor.
+rate), ``η = 1`` in step 2.
 
 Tiles (the reference's ``TransformDCT``): a weight of shape ``(R, C, ...)`` is viewed as ``(R, C·...)``
 (the reference handles 2-D weights only; a convolution's trailing dimensions are flattened here) and cut
@@ -47,6 +55,8 @@ fp32; with bf16 values 146x.
 On accelerators a whole bucket is compressed at once (:meth:`DeMo.exchange_segments`): its tensors are
 grouped by tile shape, and each group's tiles are transformed, selected, packed and decoded together
 (a few dozen operations per group, not per tensor), with the same values as per tensor up to rounding.
+Step 2's ``η`` there is a number per group where its tensors' parameter groups share one, else a column of
+one value per tile (kept while the learning rates stay the same; one multiplication either way).
 
 Tensors the strategy sends dense (fewer than ``min_compress_numel`` elements) take DeMo with every
 coefficient sent: ``δ ← β·δ + η·g`` is averaged whole and its sign handed on, ``δ ← 0``.
@@ -63,7 +73,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -89,6 +99,9 @@ MOMENTUM = "momentum"
 
 #: allowed ``value_dtype`` names
 VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: the attributes of a :class:`DeMo` that bind it to its optimizers (per process: not pickled)
+_BINDING = ("_optimizer", "_named", "_unnamed", "_groups", "_groups_key", "_unheld")
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -246,7 +259,7 @@ class DeMo(Compressor):
             raise ValueError(f"`value_dtype` must be None or one of {', '.join(map(repr, VALUE_DTYPES))}, "
                              f"got {value_dtype!r}")
         self.value_dtype = value_dtype
-        self._optimizer: Optional[weakref.ReferenceType] = None
+        self._unbind()
         self._warned: set[str] = set()  # parameters whose tiles are too small to compress (warned once)
 
     def hparams(self) -> dict[str, Any]:
@@ -254,12 +267,43 @@ class DeMo(Compressor):
                 "value_dtype": self.value_dtype}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_optimizer": None}  # the binding is per process: the strategy binds again
+        state = dict(self.__dict__)
+        for key in _BINDING:  # the binding is per process: the strategy binds again
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """No optimizer bound: ``η = 1``."""
+        #: the optimizer bound last (:attr:`awaits_optimizer`)
+        self._optimizer: Optional[weakref.ReferenceType] = None
+        #: the optimizers bound with the model's parameter names, in the order bound: ``(optimizer, names)``
+        self._named: list[tuple[weakref.ReferenceType, Mapping[int, str]]] = []
+        #: the optimizer bound last without names: every parameter takes its first group's ``η``
+        self._unnamed: Optional[weakref.ReferenceType] = None
+        #: parameter name -> (optimizer, index of its group), built from :attr:`_named` (see :meth:`_holders`)
+        self._groups: dict[str, tuple[weakref.ReferenceType, int]] = {}
+        self._groups_key: Optional[tuple] = None
+        #: parameters that no optimizer bound with names holds (warned once)
+        self._unheld: set[str] = set()
 
     # ------------------------------------------------------------------ the optimizer
-    def check_optimizer(self, optimizer: Any) -> None:
+    def check_optimizer(self, optimizer: Any, names: Optional[Mapping[int, str]] = None) -> None:
         """Refuse an optimizer other than plain SGD (DeMo's momentum replaces any momentum or moments, and
-        step 7 is SGD's step), then read the learning rate of step 2 from it."""
+        step 7 is SGD's step), then bind it: step 2 reads each parameter's learning rate from the group of
+        ``optimizer`` that holds it, at every step.
+
+        Args:
+            optimizer: the optimizer that steps DeMo's result.
+            names: ``{id(parameter): name}``, the names the exchange gives the model's parameters (its
+                ``named_parameters()``): how a tensor's name finds its parameter group. Several optimizers
+                may be bound so (each holding some of the parameters; one bound again replaces itself).
+                ``None``: every parameter takes the first group's learning rate (warned when there are
+                several groups).
+        """
         allowed = "allowed: torch.optim.SGD with momentum=0 (weight_decay gives DeMo's decoupled weight decay)"
         for index, group in enumerate(optimizer.param_groups):
             if "betas" in group:
@@ -276,7 +320,26 @@ class DeMo(Compressor):
         if not isinstance(optimizer, torch.optim.SGD):
             raise ValueError(f"DeMo's step is SGD's along the sign of the aggregate, but the optimizer is "
                              f"{type(optimizer).__name__}; {allowed}")
-        self._optimizer = weakref.ref(optimizer)
+        if names is not None and not isinstance(names, Mapping):
+            raise ValueError(f"`names` must be a mapping of id(parameter) -> parameter name, e.g. "
+                             f"{{id(p): n for n, p in model.named_parameters()}}, got {type(names).__name__}")
+        reference = weakref.ref(optimizer)
+        self._optimizer = reference
+        if names is None:
+            self._unnamed = reference
+            if len(optimizer.param_groups) > 1:
+                warnings.warn(
+                    f"DeMo: {type(optimizer).__name__} has {len(optimizer.param_groups)} parameter groups, but no "
+                    "parameter names came with it (check_optimizer(optimizer, names={id(p): name for name, p in "
+                    "model.named_parameters()})): step 2 takes the first group's learning rate for every "
+                    "parameter. gradcomp.bind(optimizer) and the strategies pass the names", UserWarning,
+                    stacklevel=2)
+            return
+        self._named = [(bound, known) for bound, known in self._named if bound() not in (None, optimizer)]
+        self._named.append((reference, names))
+        if self._unnamed is not None and self._unnamed() is optimizer:
+            self._unnamed = None
+        self._groups_key = None  # built again at the next look-up
 
     @property
     def produces_signs(self) -> bool:
@@ -290,14 +353,58 @@ class DeMo(Compressor):
         (or it was deleted): ``η = 1``."""
         return self._optimizer is None or self._optimizer() is None
 
-    def _learning_rate(self) -> Any:
-        """``η`` of step 2: the bound optimizer's first group's learning rate (1 when unbound)."""
-        optimizer = self._optimizer() if self._optimizer is not None else None
-        return 1.0 if optimizer is None else optimizer.param_groups[0]["lr"]
+    def _holders(self) -> dict[str, tuple[weakref.ReferenceType, int]]:
+        """Parameter name -> (optimizer, index of the group that holds it), over the optimizers bound with
+        names (a later one wins a parameter two hold). Kept, and built again when an optimizer is gone or its
+        number of groups changed (``add_param_group``); the look-up reads only Python objects."""
+        optimizers = [bound() for bound, _ in self._named]
+        key = tuple((id(optimizer), len(optimizer.param_groups)) if optimizer is not None else None
+                    for optimizer in optimizers)
+        if key != self._groups_key:
+            self._named = [entry for entry, optimizer in zip(self._named, optimizers) if optimizer is not None]
+            groups: dict[str, tuple[weakref.ReferenceType, int]] = {}
+            for bound, names in self._named:
+                optimizer = bound()
+                for index, group in enumerate(optimizer.param_groups):
+                    for parameter in group["params"]:
+                        name = names.get(id(parameter))
+                        if name is not None:
+                            groups[name] = (bound, index)
+            self._groups = groups
+            self._groups_key = tuple(item for item in key if item is not None)
+        return self._groups
+
+    def _learning_rate(self, name: Optional[str] = None) -> Any:
+        """``η`` of step 2 for parameter ``name``: the learning rate of the group that holds it in an
+        optimizer bound with names; else the first group's of an optimizer bound without names; else 1
+        (unbound, or a parameter that no bound optimizer holds: warned once). A Python number, or a 0-d
+        tensor where the group keeps one (never read on the host). Without ``name``: the first group's of
+        the optimizer bound last (1 when unbound)."""
+        if name is None:
+            optimizer = self._optimizer() if self._optimizer is not None else None
+            return 1.0 if optimizer is None else optimizer.param_groups[0]["lr"]
+        if self._named:
+            held = self._holders().get(name)
+            if held is not None:
+                optimizer = held[0]()
+                if optimizer is not None:
+                    return optimizer.param_groups[held[1]]["lr"]
+        unnamed = self._unnamed() if self._unnamed is not None else None
+        if unnamed is not None:
+            return unnamed.param_groups[0]["lr"]
+        if self._named and name not in self._unheld:
+            self._unheld.add(name)
+            warnings.warn(
+                f"DeMo: parameter {name!r} is in no parameter group of the optimizers bound "
+                f"({', '.join(sorted({type(bound()).__name__ for bound, _ in self._named if bound() is not None}))}): "
+                "step 2 takes lr=1 for it, as unbound. Add it to the optimizer that steps it (or bind that one: "
+                "gradcomp.bind(optimizer)), or set requires_grad=False if nothing should train it",
+                UserWarning, stacklevel=3)
+        return 1.0
 
     def _momentum(self, update: Tensor, ctx: CompressContext) -> Tensor:
         """``δ ← β·δ + η·update`` (a new tensor; ``update`` and the state in the same domain and shape)."""
-        lr = self._learning_rate()
+        lr = self._learning_rate(ctx.name)
         scaled = update * lr if isinstance(lr, Tensor) or lr != 1.0 else update
         previous = ctx.state.get(MOMENTUM)
         if previous is None or previous.shape != update.shape:
@@ -450,9 +557,14 @@ class DeMo(Compressor):
     def dense_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                        state: SegmentsState) -> Optional[Tensor]:
         """:meth:`dense` of every tensor sent dense, at once: ``δ ← β·δ + η·g`` on the flat state, all of
-        it sent."""
-        lr = self._learning_rate()
-        scaled = flat * lr if isinstance(lr, Tensor) or lr != 1.0 else flat
+        it sent (``η`` per tensor: one scale per element where the tensors' groups differ)."""
+        rates: _RowScales = segments.constant(("demo", "dense learning rates"), flat.device, lambda device: _RowScales(
+            [segments.rows_of(index) for index in range(len(segments))]))
+        lr = rates.scale([self._learning_rate(name) for name in segments.names], flat.dtype, flat.device)
+        if isinstance(lr, Tensor) and lr.dim():  # (rows, 1)
+            scaled = (flat.view(-1, segments.align) * lr).view(-1)
+        else:
+            scaled = flat * lr if isinstance(lr, Tensor) or lr != 1.0 else flat
         previous = state.get(MOMENTUM)
         momentum = scaled.clone() if previous is None else torch.add(scaled, previous, alpha=self.decay)
         dtype = contexts[0].dtype or flat.dtype
@@ -475,7 +587,7 @@ class DeMo(Compressor):
                                               lambda device: _TileGroups(self, segments, device))
         for tiling, ctx in zip(plan.tilings, contexts):
             self._warn_whole_tiles(tiling, ctx)
-        lr = self._learning_rate()
+        lrs = [self._learning_rate(name) for name in segments.names]
         wire = self._value_dtype(contexts[0].wire_dtype(flat))
         previous = state.get(MOMENTUM, plan.layout)
         if previous is not None:
@@ -483,9 +595,11 @@ class DeMo(Compressor):
         momentum = torch.empty(plan.layout.total, dtype=flat.dtype, device=flat.device)  # in group order
         parts: list[Tensor] = []
         selections: list[tuple[Tensor, Tensor]] = []
-        for group in plan.groups:
+        for group, members, rates in zip(plan.groups, plan.members, plan.rates):
             tiles = transform_tiles(group.read(flat))
             coefficients = tiles.view(group.tiles, group.tile)
+            # η per tile: a number where the group's tensors share it, else a (tiles, 1) column
+            lr = rates.scale([lrs[index] for index in members], coefficients.dtype, coefficients.device)
             scaled = coefficients * lr if isinstance(lr, Tensor) or lr != 1.0 else coefficients
             current = momentum[group.start:group.stop].view(group.tiles, group.tile)
             if previous is None:
@@ -631,6 +745,9 @@ class _TileGroups:
             members.setdefault((tiling.a, tiling.b), []).append(index)
         order = [index for indices in members.values() for index in indices]
         self.groups: list[_TileGroup] = []
+        #: each group's members (indices in the bucket), and their learning rates per tile (step 2)
+        self.members: list[tuple[int, ...]] = [tuple(indices) for indices in members.values()]
+        self.rates = [_RowScales([self.tilings[index].tiles for index in indices]) for indices in self.members]
         start = 0
         for (a, b), indices in members.items():
             tilings = [self.tilings[index] for index in indices]
@@ -663,3 +780,52 @@ class _TileGroups:
             return momentum
         return torch.cat([momentum[start:start + numel] for start, numel in zip(self._group_starts,
                                                                                    self.layout.numels)])
+
+
+def _rate_key(lr: Any) -> Any:
+    """What tells two learning rates apart on the host: a number's value, a tensor's identity (its value is
+    never read: a 0-d tensor ``lr`` may live on the device and change in place)."""
+    return ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
+
+
+def _device_scalar(lr: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``lr`` (a number or a 0-d tensor) as a 0-d tensor of ``dtype`` on ``device``, without a host sync."""
+    if isinstance(lr, Tensor):
+        lr = lr.detach().reshape(())
+        if lr.device.type == "cpu" and device.type != "cpu":
+            return to_device(lr.to(dtype), device)
+        return lr.to(device=device, dtype=dtype)
+    return torch.full((), lr, dtype=dtype, device=device)  # a fill on the device, no copy
+
+
+class _RowScales:
+    """Step 2's ``η`` for rows of several tensors (members) laid end to end, ``rows[m]`` rows each: the
+    learning rate itself where the members share one (a number or the group's 0-d tensor: the arithmetic
+    of a single ``η``), else a ``(Σ rows, 1)`` column of each row's member's.
+
+    A column of numbers is kept and made again only when they change (one copy to the device then, none
+    at the other steps); one with 0-d tensors among them (capturable optimizers, whose ``lr`` a scheduler
+    changes in place) is gathered on the device at every step by a kept index. Never a host read."""
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        self.rows = torch.tensor(list(rows), dtype=torch.int64)
+        self._column: tuple[Any, Optional[Tensor]] = (None, None)  # (key, column of numbers)
+        self._index: tuple[Any, Optional[Tensor]] = (None, None)  # (key, row -> distinct rate)
+
+    def scale(self, lrs: Sequence[Any], dtype: torch.dtype, device: torch.device) -> Union[float, Tensor]:
+        keys = [_rate_key(lr) for lr in lrs]
+        distinct = list(dict.fromkeys(keys))
+        if len(distinct) == 1:
+            return lrs[0]
+        if not any(isinstance(lr, Tensor) for lr in lrs):
+            key = (tuple(keys), dtype, str(device))
+            if self._column[0] != key:
+                column = torch.tensor(keys, dtype=dtype).repeat_interleave(self.rows).view(-1, 1)
+                self._column = (key, to_device(column, device))
+            return self._column[1]
+        slots = [distinct.index(key) for key in keys]
+        index_key = (tuple(slots), str(device))
+        if self._index[0] != index_key:
+            self._index = (index_key, to_device(torch.tensor(slots).repeat_interleave(self.rows), device))
+        values = torch.stack([_device_scalar(lrs[keys.index(key)], dtype, device) for key in distinct])
+        return values.index_select(0, self._index[1]).view(-1, 1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -103,7 +103,7 @@ class DGC(HasDensity, _ValuesAndIndices):
     def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
         return (count, 0) if count == numel else (count, count)
 
-    def check_optimizer(self, optimizer: Optimizer) -> None:
+    def check_optimizer(self, optimizer: Optimizer, names: Optional[Mapping[int, str]] = None) -> None:
         """Refuse an optimizer that applies momentum on top of DGC's."""
         if self.momentum == 0:
             return

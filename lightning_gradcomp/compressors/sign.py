@@ -8,7 +8,7 @@ summed by an all-reduce.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -193,7 +193,7 @@ class SignSGD(_ScaledSigns):
         (at most their norm), and clipping works as on a gradient."""
         return self.scale == "none"
 
-    def check_optimizer(self, optimizer: Optimizer) -> None:
+    def check_optimizer(self, optimizer: Optimizer, names: Optional[Mapping[int, str]] = None) -> None:
         """Signum holds the momentum: refuse an optimizer that applies its own on top."""
         if not self.momentum:
             return

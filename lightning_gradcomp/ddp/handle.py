@@ -117,7 +117,8 @@ def register(
                                    caller="register()")
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
-    handle._watch = OptimizerWatch(handle, list(ddp_model.module.parameters()))
+    handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
+    handle._watch = OptimizerWatch(handle, ddp_model.module)
     handle.checkpoint_group = checkpoint_group(ddp_model.process_group, timeout)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     hold(ddp_model.module, handle, "register()")

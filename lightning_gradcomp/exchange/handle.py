@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,10 @@ class ExchangeHandle:
         self.device = device
         #: the optimizers checked against the compressor and bound (:meth:`GradientHandle.bind`)
         self._bound: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        #: ``id(parameter) -> name`` of the model's parameters, the names the exchange gives them (set by the
+        #: entry point): a compressor that reads each parameter's group of the optimizer (DeMo's learning
+        #: rate) finds it by them
+        self.param_names: Optional[Mapping[int, str]] = None
         #: whether :meth:`close` ran (the model may then take another exchange)
         self.closed = False
         self._checkpoint_broken: Optional[str] = None  # the CheckpointTimeout that left the gathers out of step
@@ -75,7 +79,7 @@ class ExchangeHandle:
         new = None if compressor is None else get_compressor(compressor)
         if new is not None:
             for optimizer in list(self._bound):
-                new.check_optimizer(optimizer)
+                new.check_optimizer(optimizer, names=self.param_names)
         self.hook_state.use_compressor(new)
 
     # ------------------------------------------------------------------ figures
@@ -228,7 +232,7 @@ class GradientHandle(ExchangeHandle):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"`optimizer` must be a torch.optim.Optimizer (the one that steps this model), got "
                              f"{type(optimizer).__name__}")
-        self.hook_state.compressor.check_optimizer(optimizer)
+        self.hook_state.compressor.check_optimizer(optimizer, names=self.param_names)
         self._bound.add(optimizer)
 
     def _check_bound(self) -> None:
@@ -250,6 +254,38 @@ class GradientHandle(ExchangeHandle):
         return self.hook_state.error_feedback or self.hook_state.compressor.keeps_state
 
 
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter ``optimizer`` steps, group by group."""
+    return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+
+
+def steps_the_model(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> bool:
+    """Whether ``optimizer`` steps any of ``model``'s current parameters (by identity)."""
+    current = {id(parameter) for parameter in model.parameters()}
+    return any(id(parameter) in current for parameter in optimizer_parameters(optimizer))
+
+
+def refuse_parameters_replaced_by_sharding(optimizer: torch.optim.Optimizer, model: torch.nn.Module, where: str) -> None:
+    """Raise ``ValueError`` when ``optimizer`` holds what ``fully_shard`` replaced: parameters of exactly the
+    shapes of ``model``'s (their global shapes), none of them the model's and none sharded. Built before
+    ``fully_shard``, it would step tensors the model no longer uses: the exchange would run and count, and
+    nothing would train. An optimizer of another model, of other shapes or of some parameters only, passes."""
+    from torch.distributed.tensor import DTensor
+
+    held = optimizer_parameters(optimizer)
+    current = list(model.parameters())
+    if not held or any(isinstance(parameter, DTensor) for parameter in held) or \
+            not any(isinstance(parameter, DTensor) for parameter in current):
+        return
+    if sorted(tuple(parameter.shape) for parameter in held) == sorted(tuple(parameter.shape) for parameter in current):
+        raise ValueError(
+            f"gradcomp: {where}: this {type(optimizer).__name__} holds {len(held)} unsharded parameters of exactly the "
+            "model's shapes, none of them the model's: the parameters as they were before fully_shard replaced them "
+            "(or another copy of the model's). It would step tensors the model no longer uses (nothing would train). "
+            "Build the optimizer after fully_shard: `fully_shard(...)`, then "
+            "`optimizer = torch.optim.AdamW(model.parameters(), ...)`")
+
+
 class OptimizerWatch:
     """The plain handles' look at every optimizer step of the process (torch's global step pre-hook, one
     dictionary look-up per step once an optimizer is known; nothing on the device).
@@ -261,10 +297,13 @@ class OptimizerWatch:
     watch does nothing (it is removed by :meth:`GradientHandle.close`, never from inside a step, where
     torch iterates over the hooks)."""
 
-    def __init__(self, handle: GradientHandle, parameters: list[torch.nn.Parameter]) -> None:
+    def __init__(self, handle: GradientHandle, model: torch.nn.Module, sharded: bool = False) -> None:
         self._handle = weakref.ref(handle)
-        # weakly, by id: a tensor's == is element-wise, and an id alone may be reused by another model's parameter
-        self._parameters = {id(parameter): weakref.ref(parameter) for parameter in parameters}
+        # the model weakly, never its parameters: a weak reference to a tensor makes torch.utils.swap_tensors
+        # (FSDP2's model.to()) refuse it; the parameters are read from the model when an optimizer first steps
+        self._model = weakref.ref(model)
+        #: ``fully_shard`` replaced the model's parameters: an optimizer holding the old ones is refused
+        self._sharded = sharded
         self._steps_the_model: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
         self.scaler_warned = False
         self._removable = register_optimizer_step_pre_hook(self)
@@ -275,8 +314,11 @@ class OptimizerWatch:
         if handle is None:
             return
         ours = self._steps_the_model.get(optimizer)
-        if ours is None:
-            ours = any(self._holds(parameter) for group in optimizer.param_groups for parameter in group["params"])
+        model = self._model()
+        if ours is None and model is not None:
+            ours = steps_the_model(optimizer, model)
+            if not ours and self._sharded:
+                refuse_parameters_replaced_by_sharding(optimizer, model, "optimizer.step()")
             if ours and optimizer not in handle._bound:
                 handle.bind(optimizer)  # a conflict raises here, and again at the next step
             self._steps_the_model[optimizer] = ours
@@ -285,11 +327,6 @@ class OptimizerWatch:
             if scaler is not None:
                 self.scaler_warned = True
                 _warn_grad_scaler(scaler, handle)
-
-    def _holds(self, parameter: torch.Tensor) -> bool:
-        """Whether ``parameter`` is one of the model's."""
-        known = self._parameters.get(id(parameter))
-        return known is not None and known() is parameter
 
     def remove(self) -> None:
         self._removable.remove()

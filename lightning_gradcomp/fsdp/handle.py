@@ -160,8 +160,9 @@ def register_fsdp(
     # residuals and state fit this mesh's shards only: a resume on another split drops them, saying so
     hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
     handle = FSDPHandle(hook_state, hook_state.compressor, device, layouts)
+    handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
     handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
-    handle._watch = OptimizerWatch(handle, list(model.parameters()))  # binds the optimizer at its first step
+    handle._watch = OptimizerWatch(handle, model, sharded=True)  # binds the optimizer at its first step
     for (_, module, param_group), layout in zip(modules, layouts):
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if layout.slots:

@@ -206,7 +206,9 @@ class GradCompFabricStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.local_updates is None:
             error_feedback = resolve_error_feedback(self.compressor, self.options.error_feedback)
-            check_fit_setup(self.compressor, error_feedback, [optimizer], self.precision)
+            # the model's names where it was set up first (else the handle binds at the optimizer's first step)
+            check_fit_setup(self.compressor, error_feedback, [optimizer], self.precision,
+                            names=getattr(self.gradcomp, "param_names", None))
         elif isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.optimizers.append(optimizer)  # its per-rank state goes into fabric.save
         else:

@@ -317,7 +317,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         optimizers to the compressor (DeMo reads its learning rate)."""
         assert self.gradcomp is not None
         check_fit_setup(self.compressor, self.gradcomp.hook_state.error_feedback, self.optimizers,
-                        self.precision_plugin)
+                        self.precision_plugin, names=self.gradcomp.param_names)
         check_gradient_clipping(self.compressor, trainer)
         for optimizer in self.optimizers:
             self.gradcomp.bind(optimizer)

@@ -11,7 +11,7 @@ import inspect
 import math
 import os
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -111,17 +111,20 @@ def check_start_method(start_method: Any) -> str:
     return start_method
 
 
-def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: list, precision_plugin: Any) -> None:
+def check_fit_setup(compressor: Compressor, error_feedback: bool, optimizers: list, precision_plugin: Any,
+                    names: Optional[Mapping[int, str]] = None) -> None:
     """Refuse, before the first step, settings that would silently train something else.
 
-    * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's);
+    * an optimizer that conflicts with the compressor (DGC's momentum on top of the optimizer's); the
+      compressor checks and binds each optimizer, with ``names`` (``id(parameter) -> name``, the names the
+      exchange gives the parameters) where it reads each parameter's group (DeMo's learning rate);
     * fp16 mixed precision with memory (error feedback, or state a compressor keeps across steps:
       DGC's velocity, Signum's momentum, the quantised all-reduce's owner residual): the hook sees
       gradients times a loss scale that GradScaler changes and whose overflow steps it skips, so the
       memory would be kept at stale scales and advanced on skipped steps.
     """
     for optimizer in optimizers:
-        compressor.check_optimizer(optimizer)
+        compressor.check_optimizer(optimizer, names=names)
     if getattr(precision_plugin, "scaler", None) is not None and (error_feedback or compressor.keeps_state):
         memory = "error feedback" if error_feedback else "the state it keeps across steps"
         raise ValueError(

@@ -174,7 +174,8 @@ class GradCompSimStrategy(ShowsGlobalModel, RestoresCompressionState, SingleDevi
             self.local = SimulatedLocalUpdates(self.lightning_module, self.optimizers, self.local_updates,
                                                exchange=self.hook_state)
         else:
-            check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
+            check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin,
+                            names={id(p): name for name, p in self.lightning_module.named_parameters()})
             check_gradient_clipping(self.compressor, trainer)
         self._restore_pending()
         self._start_showing_global_model(trainer)

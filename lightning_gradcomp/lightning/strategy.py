@@ -231,7 +231,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.local_loop is None:
-            check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin)
+            check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin,
+                            names={id(p): name for name, p in self.lightning_module.named_parameters()})
             check_gradient_clipping(self.compressor, trainer)
         self._start_showing_global_model(trainer)
 

@@ -15,7 +15,12 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.fsdp2 import sharded_modules
 from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.exchange.handle import hold, refuse_a_second_exchange
+from lightning_gradcomp.exchange.handle import (
+    hold,
+    refuse_a_second_exchange,
+    refuse_parameters_replaced_by_sharding,
+    steps_the_model,
+)
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import LocalUpdateHandle, replicated_local_updates
@@ -91,6 +96,7 @@ def local_updates(
     """
     bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     optimizers = check_optimizers(optimizers)
+    check_steps_the_model(optimizers[0], bare)
     refuse_a_second_exchange(bare, "local_updates()")
     config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
     exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
@@ -118,6 +124,19 @@ def local_updates(
         handle.count_optimizer_steps(optimizers[0])
     hold(bare, handle, "local_updates()")
     return handle
+
+
+def check_steps_the_model(optimizer: Optimizer, model: torch.nn.Module) -> None:
+    """Refuse an inner optimizer (the first: its steps count the window) that steps none of ``model``'s
+    parameters: built before ``fully_shard`` replaced them, or for another model, nothing would train while
+    the windows are counted and synchronised."""
+    refuse_parameters_replaced_by_sharding(optimizer, model, "local_updates()")
+    if not steps_the_model(optimizer, model):
+        raise ValueError(
+            f"gradcomp.local_updates: the first optimizer ({type(optimizer).__name__}, whose steps count the window) "
+            "steps none of the model's parameters: nothing would train. Pass the optimizer built on this model's "
+            "parameters (after fully_shard or any wrapper that replaces them): `optimizer = "
+            "torch.optim.AdamW(model.parameters(), ...)`")
 
 
 def check_optimizers(optimizers: object) -> list[Optimizer]:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
+import urllib.parse
 import time
 import warnings
 import zlib
@@ -131,6 +133,31 @@ def torchft_module() -> Any:
     return torchft
 
 
+def describe_no_quorum(config: FaultTolerance, error: BaseException) -> str:
+    """Why no quorum formed: the lighthouse is unreachable, or it answers and too few replica groups joined
+    (it waits for its ``--min_replicas``)."""
+    shown = " ".join(str(error).split())[:300]
+    if lighthouse_answers(config.address):
+        return (f"gradcomp: no quorum from the torchft lighthouse at {config.address} within quorum_timeout="
+                f"{config.quorum_timeout:g} s, though the lighthouse answers: fewer replica groups joined than it "
+                "waits for (its --min_replicas, and --join_timeout_ms for late groups). Start the other replica groups "
+                "(each with its own REPLICA_GROUP_ID / FaultTolerance(replica_id=...)), start the lighthouse with a "
+                f"lower --min_replicas, or raise FaultTolerance(quorum_timeout=...). ({shown})")
+    return (f"gradcomp: no quorum from the torchft lighthouse at {config.address} within {config.quorum_timeout:g} s: "
+            "nothing answers at that address. Start `torchft_lighthouse --min_replicas 1` there (or pass its address: "
+            f"FaultTolerance(lighthouse='http://host:port') or TORCHFT_LIGHTHOUSE). ({shown})")
+
+
+def lighthouse_answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at the lighthouse's ``http://host:port``."""
+    try:
+        parsed = urllib.parse.urlsplit(address)
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class MembershipFigures:
     """What fault tolerance did, for telemetry and the summary."""
@@ -188,9 +215,7 @@ class Membership:
         try:
             self.manager.start_quorum()
         except Exception as error:  # the lighthouse unreachable, or no quorum in time
-            raise RuntimeError(f"gradcomp: no quorum from the torchft lighthouse at {self.config.address} within "
-                               f"{self.config.quorum_timeout:g} s ({error}); is `torchft_lighthouse` running there, "
-                               "and reachable from this host?") from error
+            raise RuntimeError(describe_no_quorum(self.config, error)) from error
         self.figures.quorum_seconds += time.perf_counter() - began
         if self.manager.current_step() != step_before:
             self.figures.heals += 1

@@ -218,6 +218,8 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
         self.pending: list[PendingSync] = []
         self.synced = False
+        #: each parameter's dtype and device when θ_global was built from it (checked at each synchronisation)
+        self._built_as = [(p.dtype, p.device) for p in self._parameters]
 
     @property
     def params(self) -> list[Tensor]:  # type: ignore[override]
@@ -231,6 +233,7 @@ class LocalUpdateLoop(ScheduledSyncs):
     @torch.no_grad()
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
         """Start the exchange of ``fragment``'s outer gradients (on the exchange thread when delayed)."""
+        self._refuse_a_cast_model()
         self._agree(fragment, merge_at)
         indices = self.outer.members(fragment)
         params = self.params
@@ -246,6 +249,18 @@ class LocalUpdateLoop(ScheduledSyncs):
                 self.exchange.exchange(bucket, last=last)
         self.pending.append(pending)
         return pending
+
+    def _refuse_a_cast_model(self) -> None:
+        """Raise when a parameter changed dtype or device since :func:`local_updates` (``model.double()``,
+        ``model.to("cuda")`` afterwards): θ_global and the outer optimizer keep what they were built with, and
+        each synchronisation would round the model back to it (or fail across devices)."""
+        for name, parameter, (dtype, device) in zip(self.names, self._parameters, self._built_as):
+            if parameter.dtype != dtype or parameter.device != device:
+                raise RuntimeError(
+                    f"gradcomp: local updates: parameter {name!r} is now {parameter.dtype} on {parameter.device}, but "
+                    f"was {dtype} on {device} when local updates were set up; θ_global and the outer optimizer keep "
+                    "that, and every synchronisation would round the model back to it. Cast or move the model before "
+                    "local_updates() (or close() the handle and call local_updates() again)")
 
     def _agree(self, fragment: int, merge_at: int) -> None:
         """Before any payload moves, check that every rank of the exchange starts the same synchronisation
