@@ -84,6 +84,10 @@ REFUSALS: dict[str, dict[str, list[Check]]] = {
 FEATURES: dict[str, Union[Callable[[], Any], str]] = {
     "- **Local updates** on the shards: `local_updates=`, `global_device=`, `fault_tolerance=`":
         lambda: _fsdp_strategy(local_updates=2, global_device="cpu", fault_tolerance=_fault_tolerance()),
+    '`global_device="cpu"` (with `local_updates=`, in `GradCompStrategy`, `GradCompFabricStrategy` and '
+    '`GradCompFSDPStrategy`) keeps `θ_global`': lambda: [
+        getattr(__import__("lightning_gradcomp"), name)(local_updates=2, global_device="cpu")
+        for name in ("GradCompStrategy", "GradCompFabricStrategy", "GradCompFSDPStrategy")],
     "Fault tolerance on shards: each replica group is one job sharded over its own world":
         "tests/test_torchft_diloco.py::test_fault_tolerant_replica_groups_of_fsdp2_shards_equal_the_mesh",
 }

@@ -42,6 +42,7 @@ from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_fault_tolerance,
+    check_global_device_option,
     group_sampler_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -74,6 +75,8 @@ class GradCompFabricStrategy(DDPStrategy):
             ``fault_tolerance`` this Fabric is one replica group (several devices: DDP inside it): loop while
             ``fabric.strategy.gradcomp.optimizer_steps`` is below the run's length, since a group that joins a
             running job continues from the others' step).
+        global_device: with ``local_updates``, where ``θ_global`` and the outer state live: ``None`` (the
+            parameters' device) or ``"cpu"`` (pinned host memory), as for the Trainer's strategy.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
 
     One model per strategy is compressed (the first ``fabric.setup``/``setup_module``); its compression
@@ -100,6 +103,7 @@ class GradCompFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         local_updates: Optional[Union[LocalUpdates, int]] = None,
         fault_tolerance: Optional[FaultTolerance] = None,
+        global_device: Optional[Union[str, torch.device]] = None,
         **kwargs: Any,
     ) -> None:
         self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
@@ -110,12 +114,14 @@ class GradCompFabricStrategy(DDPStrategy):
                 f"GradCompFabricStrategy: {trainer_only} are options of the Trainer's GradCompStrategy only (the "
                 "hierarchical exchange, logging and the end-of-fit summary); with Fabric, print "
                 "fabric.strategy.summary() yourself. Allowed here: compressor, error_feedback, min_compress_numel, "
-                "seed, exchange_thread, timeout, local_updates, fault_tolerance and DistributedDataParallel's arguments")
+                "seed, exchange_thread, timeout, local_updates, fault_tolerance, global_device and DistributedDataParallel's "
+                "arguments")
         kwargs = check_ddp_kwargs(kwargs, "GradCompFabricStrategy")
         self.local_updates = check_local_updates(local_updates)
         if self.local_updates is not None:
             kwargs = local_update_ddp_kwargs(kwargs, "none", exchange_thread)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
+        self.global_device = check_global_device_option(global_device, self.local_updates)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -186,12 +192,14 @@ class GradCompFabricStrategy(DDPStrategy):
         if self.fault_tolerance is not None:  # this Fabric is one replica group; the quorum is taken now
             self.gradcomp = attach_fault_tolerant(module, [], self.local_updates, options.compressor,
                                                   self.fault_tolerance, error_feedback=options.error_feedback,
-                                                  min_compress_numel=options.min_compress_numel, seed=options.seed)
+                                                  min_compress_numel=options.min_compress_numel, seed=options.seed,
+                                                  global_device=self.global_device)
             if self.world_size == 1:  # else DDP's own all-reduce keeps the group's processes equal
                 ddp.register_comm_hook(None, no_communication_hook)
         elif self.local_updates is not None:
             self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
-                                   options.min_compress_numel, options.seed, group=ddp.process_group)
+                                   options.min_compress_numel, options.seed, group=ddp.process_group,
+                                   global_device=self.global_device)
             ddp.register_comm_hook(None, no_communication_hook)
         else:
             self.gradcomp = register(ddp, options.compressor, error_feedback=options.error_feedback,

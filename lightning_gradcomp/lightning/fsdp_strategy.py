@@ -51,6 +51,7 @@ from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, atta
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
 from lightning_gradcomp.lightning.options import (
     check_fault_tolerance,
+    check_global_device_option,
     group_sampler_kwargs,
     check_fit_setup,
     check_gradient_clipping,
@@ -66,7 +67,7 @@ from lightning_gradcomp.lightning.step_figures import (
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
-from lightning_gradcomp.local.handle import check_global_device, FaultTolerantHandle, LocalUpdateHandle
+from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
 
@@ -175,10 +176,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         refuse_options(kwargs)
         configure_strategy(self, compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary)
         self.local_updates = check_local_updates(local_updates)
-        if global_device is not None and self.local_updates is None:
-            raise ValueError("`global_device` places θ_global under local updates; allowed without local_updates: "
-                             "global_device=None")
-        self.global_device = check_global_device(global_device)
+        self.global_device = check_global_device_option(global_device, self.local_updates)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
         self.shard_size = check_shard_size(shard_size)
         self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)

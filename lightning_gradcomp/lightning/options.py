@@ -21,6 +21,7 @@ from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, torchft_module
+from lightning_gradcomp.local.handle import check_global_device
 
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
@@ -207,3 +208,12 @@ def check_fault_tolerance(value: Any, local_updates: Optional[LocalUpdates]) -> 
                          "without local_updates: fault_tolerance=None")
     torchft_module()
     return value
+
+
+def check_global_device_option(global_device: Any, local_updates: Any) -> Optional[Any]:
+    """A strategy's ``global_device``: where θ_global lives under local updates (``None`` or ``"cpu"``);
+    refused without ``local_updates``, where there is no θ_global."""
+    if global_device is not None and local_updates is None:
+        raise ValueError("`global_device` places θ_global under local updates; allowed without local_updates: "
+                         "global_device=None (or set local_updates=H)")
+    return check_global_device(global_device)

@@ -38,6 +38,7 @@ from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
     check_fault_tolerance,
+    check_global_device_option,
     group_sampler_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -105,6 +106,9 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             split the outer exchange between the groups.
             A group that joins a running job continues from the others' step: ``fit`` stops when the outer
             loop's step count reaches ``max_steps``.
+        global_device: with ``local_updates``, where ``θ_global`` and the outer optimizer's state live:
+            ``None`` (the parameters' device) or ``"cpu"`` (pinned host memory, a copy each way per
+            synchronisation: frees a model's worth of accelerator memory, twice with a momentum outer optimizer).
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
     """
 
@@ -134,6 +138,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         model_averaging_period: Optional[int] = None,
         local_updates: Optional[Union[LocalUpdates, int]] = None,
         fault_tolerance: Optional[FaultTolerance] = None,
+        global_device: Optional[Union[str, torch.device]] = None,
         **kwargs: Any,
     ) -> None:
         replaced = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook,
@@ -156,6 +161,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self.local_updates is not None:
             kwargs = local_update_ddp_kwargs(kwargs, self.hierarchy, exchange_thread)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
+        self.global_device = check_global_device_option(global_device, self.local_updates)
         process_group_backend = check_process_group_backend(process_group_backend)
         timeout = check_timeout(timeout)
         super().__init__(
@@ -254,9 +260,10 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
                                               settings=self.local_updates.settings(), caller="GradCompStrategy")
             if self.fault_tolerance is not None:  # this Trainer is one replica group; the quorum is taken now
                 self.local_loop = FaultTolerantLoop(self.lightning_module, self.local_updates, self.hook_state,
-                                                    self.fault_tolerance)
+                                                    self.fault_tolerance, global_device=self.global_device)
             else:
-                self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state)
+                self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state,
+                                                  global_device=self.global_device)
             self._restore_pending()
             if self.fault_tolerance is None or self.world_size == 1:
                 self.model.register_comm_hook(None, no_communication_hook)
