@@ -88,6 +88,7 @@ __all__ = [
     "FSDPHandle",
     "get_compressor",
     "gradcomp_hook",
+    "GradCompFabricFSDPStrategy",
     "GradCompFabricStrategy",
     "GradCompFSDPStrategy",
     "GradCompHandle",

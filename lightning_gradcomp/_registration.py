@@ -3,7 +3,8 @@
 ``import lightning_gradcomp`` must not cost a plain-PyTorch user Lightning's import (several seconds per
 process), yet ``Trainer(strategy="gradcomp")`` and ``Fabric(strategy="gradcomp")`` must find the strategies
 however the imports are ordered. The strategy modules register themselves when they are imported
-(``lightning_gradcomp.lightning.strategy``, ``.simulation``, ``.fabric``, ``.fsdp_strategy``); this module
+(``lightning_gradcomp.lightning.strategy``, ``.simulation``, ``.fabric``, ``.fsdp_strategy``,
+``.fabric_fsdp``); this module
 imports them:
 
 * at once, when Lightning is already imported;
@@ -30,6 +31,7 @@ STRATEGY_CLASSES = {
     "GradCompSimStrategy": "lightning_gradcomp.lightning.simulation",
     "GradCompFabricStrategy": "lightning_gradcomp.lightning.fabric",
     "GradCompFSDPStrategy": "lightning_gradcomp.lightning.fsdp_strategy",
+    "GradCompFabricFSDPStrategy": "lightning_gradcomp.lightning.fabric_fsdp",
 }
 
 

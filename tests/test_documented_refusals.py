@@ -88,6 +88,8 @@ FEATURES: dict[str, Union[Callable[[], Any], str]] = {
     '`GradCompFSDPStrategy`) keeps `θ_global`': lambda: [
         getattr(__import__("lightning_gradcomp"), name)(local_updates=2, global_device="cpu")
         for name in ("GradCompStrategy", "GradCompFabricStrategy", "GradCompFSDPStrategy")],
+    "#### Fabric: `GradCompFabricFSDPStrategy` (`\"gradcomp_fsdp\"`)": lambda: __import__("lightning.fabric").fabric.Fabric(
+        strategy="gradcomp_fsdp", accelerator="cpu", devices=2),
     "Fault tolerance on shards: each replica group is one job sharded over its own world":
         "tests/test_torchft_diloco.py::test_fault_tolerant_replica_groups_of_fsdp2_shards_equal_the_mesh",
 }

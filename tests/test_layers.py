@@ -121,3 +121,22 @@ def test_no_import_circle() -> None:
                     seen.add(nxt)
                     stack.append((nxt, path + [nxt]))
     assert not circles, "\n".join(sorted(set(circles))[:10])
+
+
+def test_no_strategy_module_imports_another_at_module_level() -> None:
+    """Lightning's own import registers every strategy module (lightning_gradcomp/_registration.py), possibly
+    while the module that imported Lightning is half-executed: a strategy module that imports another at
+    module level would then find it half-defined and the registration would fail (as ``fabric_fsdp`` did
+    importing ``fsdp_strategy``). What they share lives in modules that import no Lightning (``sharding``,
+    ``options``)."""
+    from lightning_gradcomp._registration import STRATEGY_CLASSES
+
+    modules = set(STRATEGY_CLASSES.values())
+    root = Path(__file__).parents[1]
+    for module in modules:
+        tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
+        imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)} | \
+            {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+        assert not imported & (modules - {module}), f"{module} imports {sorted(imported & modules)} at module level"
+    sharing = (root / "lightning_gradcomp/lightning/sharding.py").read_text()
+    assert "import lightning" not in sharing and "from lightning." not in sharing

@@ -164,10 +164,28 @@ def test_fabric_model_parallel_with_register_fsdp_learns_and_resumes_bit_for_bit
 
 
 @pytest.mark.multiprocess
+def test_the_fabric_sharded_strategy_equals_model_parallel_with_register_fsdp_bit_for_bit(fsdp_runs) -> None:
+    """``GradCompFabricFSDPStrategy(parallelize_fn=..., shard_size=2, compressor="topk")``: one line in place of
+    ModelParallelStrategy, the mesh, register_fsdp, bind and the exchange state in fabric.save/load by hand;
+    the same 24 steps end bit for bit where the hand-wired run does, and its resume from fabric.save too."""
+    ours, _ = fsdp_runs("fabric_fsdp.py", "fabric-ours", "--strategy", "gradcomp_fsdp")
+    wired, _ = fsdp_runs("fabric_fsdp.py", "fabric")
+    for mine, theirs in zip(ours, wired):
+        assert mine["mesh"] == theirs["mesh"] and mine["hook_step"] == 24 and mine["resumed_hook_step"] == 24
+        for key in ("shards", "resumed_shards"):
+            assert all(torch.equal(mine[key][name], theirs[key][name]) for name in theirs[key]), key
+        assert [s["bytes_sent"] for s in mine["steps"]] == [s["bytes_sent"] for s in theirs["steps"]]
+        assert mine["totals"] == mine["resumed_totals"] == theirs["totals"]
+    assert "gradcomp summary" in ours[0]["summary"]
+
+
+@pytest.mark.multiprocess
 def test_fabric_local_updates_on_shards_end_on_theta_global_and_resume_mid_window_bit_for_bit(fsdp_runs) -> None:
-    """Fabric's ModelParallelStrategy + ``local_updates(..., mesh=)``: H = 5 with int8, 24 steps, a checkpoint at
-    step 12 (inside a window: the model saved as θ_global, the replicas in the entry), then ``sync()``."""
-    ranks, _ = fsdp_runs("fabric_fsdp.py", "fabric-local", "--local", "5", "--compressor", "int8")
+    """``GradCompFabricFSDPStrategy(local_updates=5, compressor="int8")``: 24 steps, a ``fabric.save`` at step 12
+    (inside a window: the strategy saves the model as θ_global, the replicas in the exchange state), then
+    ``sync()``."""
+    ranks, _ = fsdp_runs("fabric_fsdp.py", "fabric-local", "--local", "5", "--compressor", "int8",
+                         "--strategy", "gradcomp_fsdp")
     for rank in ranks:
         assert rank["syncs"] == 24 // 5 + 1, "4 windows and the final synchronisation of the last 4 steps"
         assert rank["resumed_from"] == 12
@@ -200,6 +218,35 @@ def test_registered_for_the_trainer_and_every_override_is_marked() -> None:
         function = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
         if inspect.isfunction(function) and not getattr(function, "__override__", False):
             unmarked.append(name)
+    assert not unmarked, unmarked
+
+
+def test_registered_for_fabric_with_its_options_checked_and_every_override_marked() -> None:
+    """``Fabric(strategy="gradcomp_fsdp")`` is the Fabric twin (it was Lightning's generic "invalid strategy"),
+    its options are checked before any process starts, and each method it overrides is marked."""
+    import inspect
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from lightning_gradcomp import GradCompFabricFSDPStrategy
+
+    assert isinstance(Fabric(strategy="gradcomp_fsdp", accelerator="cpu", devices=2).strategy,
+                      GradCompFabricFSDPStrategy)
+    for kwargs, message in [({"hierarchy": "node"}, "`hierarchy='node'`"), ({"find_unused_parameters": True},
+                            "unknown option"), ({"shard_size": 0}, "`shard_size` must be"),
+                            ({"parallelize_fn": len, "auto_wrap_policy": {"torch.nn.Linear"}}, "one of the two"),
+                            ({"global_device": "cpu"}, "global_device"), ({"compressor": "nope"}, "nope")]:
+        with pytest.raises(ValueError, match=message):
+            GradCompFabricFSDPStrategy(**kwargs)
+    inherited = {name for base in ModelParallelStrategy.__mro__ if base.__module__.startswith("lightning.")
+                 for name in vars(base)}
+    unmarked = [name for name, member in vars(GradCompFabricFSDPStrategy).items()
+                if not name.startswith("__") and name in inherited and inspect.isfunction(
+                    getattr(member.fget if isinstance(member, property) else member, "__func__",
+                            member.fget if isinstance(member, property) else member))
+                and not getattr(member.fget if isinstance(member, property) else getattr(member, "__func__", member),
+                                "__override__", False)]
     assert not unmarked, unmarked
 
 

@@ -22,7 +22,6 @@ rank's exchange state under ``checkpoint["gradcomp"]``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,7 +35,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -45,10 +43,20 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
-from lightning_gradcomp.core.fsdp2 import MESH_DIMS
-from lightning_gradcomp.fsdp.handle import FSDPHandle, register_fsdp
-from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
+from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
+from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_divides: tests import it here
+    attach_sharded_exchange,
+    check_auto_wrap_policy,
+    check_fully_shard_options,
+    check_shard_size,
+    check_world_divides,
+    is_fsdp_module,
+    refuse_fsdp1,
+    refuse_options,
+    replica_mesh,
+    shard_by_policy,
+)
 from lightning_gradcomp.lightning.options import (
     check_fault_tolerance,
     check_global_device_option,
@@ -70,23 +78,6 @@ from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolera
 from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
-
-#: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
-REFUSED_OPTIONS = {
-    "hierarchy": "the mesh is the hierarchy here: FSDP communicates inside a replica, the compressed exchange runs "
-                 "between replicas; allowed: leave hierarchy unset and choose the replica size with shard_size=",
-    "exchange_thread": "the exchange runs in FSDP2's all-reduce hook, on FSDP's own stream; allowed: leave "
-                       "exchange_thread unset",
-    "data_parallel_size": "the mesh is (replicas, shard_size) with dimensions ('replicate', 'shard'); allowed: "
-                          "shard_size= (the processes per replica)",
-    "tensor_parallel_size": "tensor parallelism is not combined with compressed HSDP; allowed: shard_size= (the "
-                            "processes per replica)",
-}
-
-#: The options the strategy takes, for the message about an unknown one.
-ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed", "log_stats", "print_summary",
-                   "local_updates", "global_device", "fault_tolerance", "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
-                   "save_distributed_checkpoint", "process_group_backend", "timeout")
 
 #: The LightningModule's step methods, called through the module's ``forward`` when it is itself an FSDP module.
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -234,22 +225,9 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         self._setup_distributed()
         if self.fault_tolerance is not None:  # this job is one replica group, sharded over all its processes
             self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
-            if self.shard_size not in (None, self.world_size):
-                raise ValueError(f"GradCompFSDPStrategy(fault_tolerance=...): this job is one replica group, its "
-                                 f"{self.world_size} processes shard the model and torchft joins the groups; allowed: "
-                                 f"shard_size=None or {self.world_size}")
-            shard_size = self.world_size
-        else:
-            shard_size = self.shard_size or self.num_processes
-        replicas = check_world_divides(self.world_size, shard_size, self.shard_size is None)
-        self._data_parallel_size, self._tensor_parallel_size = replicas, shard_size
-        if replicas == 1 and self.fault_tolerance is None:
-            rank_zero_warn(f"GradCompFSDPStrategy: one replica of {shard_size} processes: nothing crosses between "
-                           "replicas, so compression only adds error; set shard_size= to a divisor of the world size "
-                           f"({self.world_size}) below it to have several replicas")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._device_mesh = init_device_mesh(self.root_device.type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
+        self._device_mesh = replica_mesh("GradCompFSDPStrategy", self.world_size, self.num_processes, self.shard_size,
+                                         self.fault_tolerance is not None, self.root_device.type)
+        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -295,20 +273,13 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         self._start_showing_global_model(trainer)
 
     def _attach_exchange(self) -> None:
-        """:func:`register_fsdp` on the LightningModule, once every trainable parameter is known to be sharded."""
+        """The exchange between the replicas, on the LightningModule (see :func:`attach_sharded_exchange`)."""
         if self.gradcomp is not None:
             self.gradcomp.close()
-        options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
-                   "seed": self.seed, "timeout": self._timeout or DEFAULT_CHECKPOINT_TIMEOUT}
-        if self.fault_tolerance is not None:  # this job is one replica group; the quorum is taken now
-            self.gradcomp = attach_fault_tolerant_sharded(self.lightning_module, [], self.local_updates, self.compressor,
-                                                          self.fault_tolerance, global_device=self.global_device,
-                                                          **options)
-        elif self.local_updates is not None:
-            self.gradcomp = attach_sharded(self.lightning_module, self.device_mesh, self.local_updates, self.compressor,
-                                           global_device=self.global_device, **options)
-        else:
-            self.gradcomp = register_fsdp(self.lightning_module, self.device_mesh, self.compressor, **options)
+        self.gradcomp = attach_sharded_exchange(
+            self.lightning_module, self.device_mesh, self.compressor, self.local_updates, self.fault_tolerance,
+            self.global_device, error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
+            seed=self.seed, timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
 
     def _check_optimizers(self, trainer: Any) -> None:
         """Refuse settings that would train something else (see :func:`check_fit_setup`) and bind the
@@ -430,115 +401,6 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         if entry is not None and self.gradcomp is not None:
             self.gradcomp.load_state_dict(entry)
         return checkpoint
-
-
-# ---------------------------------------------------------------------- options
-def refuse_options(kwargs: dict[str, Any]) -> None:
-    """Refuse, naming it, an option of the other strategies that has no meaning here, or an unknown one."""
-    for name, value in kwargs.items():
-        if name in REFUSED_OPTIONS and value is not None:  # None: unset, as LightningCLI passes it
-            raise ValueError(f"GradCompFSDPStrategy: `{name}={value!r}`: {REFUSED_OPTIONS[name]}")
-    unknown = sorted(name for name in kwargs if name not in REFUSED_OPTIONS)
-    if unknown:
-        raise ValueError(f"GradCompFSDPStrategy: unknown option(s) {unknown}; allowed: {', '.join(ALLOWED_OPTIONS)} "
-                         "(DistributedDataParallel's arguments do not apply: FSDP2 shards the model)")
-
-
-def check_shard_size(shard_size: Any) -> Optional[int]:
-    """``None`` (the devices per node) or an integer >= 1."""
-    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
-        raise ValueError(f"`shard_size` must be None (the devices per node) or an integer >= 1 (the processes per "
-                         f"replica), got {shard_size!r}")
-    return shard_size
-
-
-def check_world_divides(world_size: int, shard_size: int, by_default: bool) -> int:
-    """The number of replicas, ``world_size // shard_size``; ``ValueError`` when it does not divide."""
-    if world_size % shard_size:
-        divisors = [size for size in range(1, world_size + 1) if world_size % size == 0]
-        origin = "the devices per node (shard_size=None)" if by_default else f"shard_size={shard_size}"
-        raise ValueError(f"GradCompFSDPStrategy: the world size {world_size} is not a multiple of {origin}; allowed: "
-                         f"shard_size in {divisors}")
-    return world_size // shard_size
-
-
-def check_auto_wrap_policy(policy: Any) -> Optional[tuple[type[nn.Module], ...]]:
-    """``None``, or a non-empty set, list or tuple of ``nn.Module`` subclasses (or their import paths)."""
-    if policy is None:
-        return None
-    allowed = ("a set, list or tuple of nn.Module subclasses or their import paths (e.g. {Block} or "
-               "{'torch.nn.TransformerEncoderLayer'}), or None (configure_model shards the model)")
-    if isinstance(policy, (str, type)) or not isinstance(policy, (set, frozenset, list, tuple)) or not policy:
-        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got {policy!r}")
-    classes = tuple(_module_class(entry, allowed) for entry in policy)
-    return tuple(sorted(set(classes), key=lambda cls: f"{cls.__module__}.{cls.__qualname__}"))
-
-
-def _module_class(entry: Any, allowed: str) -> type[nn.Module]:
-    """One entry of ``auto_wrap_policy`` as a class."""
-    if isinstance(entry, str):
-        module_name, _, class_name = entry.rpartition(".")
-        try:
-            entry = getattr(importlib.import_module(module_name), class_name) if module_name else None
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"`auto_wrap_policy`: cannot import {entry!r} ({error}); it must be {allowed}") from error
-    if not isinstance(entry, type) or not issubclass(entry, nn.Module):
-        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got the entry {entry!r}")
-    return entry
-
-
-def check_fully_shard_options(policy: Optional[tuple[type[nn.Module], ...]], mp_policy: Any,
-                              reshard_after_forward: Any) -> dict[str, Any]:
-    """``fully_shard``'s options for ``auto_wrap_policy``; refused without it (``configure_model`` passes its own)."""
-    if policy is None and (mp_policy is not None or reshard_after_forward is not None):
-        raise ValueError("`mp_policy` and `reshard_after_forward` apply to the modules auto_wrap_policy shards; "
-                         "allowed without auto_wrap_policy: mp_policy=None and reshard_after_forward=None (pass them "
-                         "to fully_shard in your configure_model instead)")
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"`mp_policy` must be None or a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-                         f"{mp_policy!r}")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) and (
-            not isinstance(reshard_after_forward, int) or reshard_after_forward < 2):
-        raise ValueError(f"`reshard_after_forward` must be None (FSDP's default), True, False or an integer >= 2 (a "
-                         f"smaller shard size after forward), got {reshard_after_forward!r}")
-    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    return kwargs
-
-
-# ---------------------------------------------------------------------- sharding
-def is_fsdp_module(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``module`` (FSDP2)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def shard_by_policy(root: nn.Module, classes: tuple[type[nn.Module], ...], mesh: Any,
-                    kwargs: dict[str, Any]) -> None:
-    """``fully_shard(module, mesh=mesh)`` for every instance of ``classes`` under ``root`` (the innermost
-    first; those already sharded are left as they are), then for ``root`` itself."""
-    from torch.distributed.fsdp import fully_shard
-
-    matching = [module for module in root.modules()
-                if module is not root and isinstance(module, classes) and not is_fsdp_module(module)]
-    for module in reversed(matching):  # modules() lists a parent before its children
-        fully_shard(module, mesh=mesh, **kwargs)
-    if not is_fsdp_module(root):
-        fully_shard(root, mesh=mesh, **kwargs)
-
-
-def refuse_fsdp1(model: nn.Module) -> None:
-    """FSDP1's ``FullyShardedDataParallel`` wrapper has no all-reduce hook to attach to."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        raise ValueError("GradCompFSDPStrategy works with FSDP2 (torch.distributed.fsdp.fully_shard); found modules "
-                         "wrapped in FSDP1's FullyShardedDataParallel: apply fully_shard(module, "
-                         "mesh=self.device_mesh['shard']) in configure_model instead")
 
 
 GradCompFSDPStrategy.register_strategies(StrategyRegistry)

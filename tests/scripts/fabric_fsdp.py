@@ -34,6 +34,7 @@ REPLICAS = 2
 mesh: Optional[DeviceMesh] = None  # ("replicate", "shard"), built once the processes have started
 native = False  # shard on the whole 2-D mesh instead: FSDP's own HSDP, nothing compressed
 local: Optional[int] = None  # --local H: local updates on the shards (local_updates(..., mesh=)) instead
+ours = False  # --strategy gradcomp_fsdp: GradCompFabricFSDPStrategy shards, registers, binds, saves and loads
 
 
 def shard(model: nn.Module, _fabric_mesh: DeviceMesh) -> nn.Module:
@@ -47,12 +48,14 @@ def shard(model: nn.Module, _fabric_mesh: DeviceMesh) -> nn.Module:
 
 def build(fabric: Fabric, compressor: Optional[str]) -> tuple[Any, Any, Any]:
     """The model sharded and set up, its optimizer, and the compressed exchange between the replicas
-    (``compressor=None``: native HSDP, no exchange of ours)."""
+    (``compressor=None``: native HSDP, no exchange of ours; under ``GradCompFabricFSDPStrategy`` the strategy's)."""
     global native
     native = compressor is None
     torch.manual_seed(0)
     model = fabric.setup_module(DigitsTransformer())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if ours:
+        return model, optimizer, fabric.strategy.gradcomp
     if native:
         return model, optimizer, None
     if local is not None:
@@ -77,15 +80,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-at", type=int, default=12)
     parser.add_argument("--local", type=int, default=None, help="local updates on the shards every H steps")
+    parser.add_argument("--strategy", choices=["model_parallel", "gradcomp_fsdp"], default="model_parallel")
     args = parser.parse_args()
-    global local
+    global local, ours
     local = args.local
+    ours = args.strategy == "gradcomp_fsdp"
 
     world = 4
-    strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=world, tensor_parallel_size=1)
+    if ours:  # one line: the strategy builds the mesh, shards, registers, binds, and saves the exchange state
+        strategy = lightning_gradcomp.GradCompFabricFSDPStrategy(
+            parallelize_fn=shard, shard_size=world // REPLICAS, compressor=args.compressor, min_compress_numel=256,
+            local_updates=local)
+    else:
+        strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=world, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
-    mesh = init_device_mesh("cpu", (REPLICAS, world // REPLICAS), mesh_dim_names=("replicate", "shard"))
+    mesh = fabric.strategy.device_mesh if ours else \
+        init_device_mesh("cpu", (REPLICAS, world // REPLICAS), mesh_dim_names=("replicate", "shard"))
     data = DigitsDataModule()
     data.setup()
     images, labels = data.train_set.tensors
@@ -105,7 +116,9 @@ def main() -> None:
                 steps[-1].update(bytes_sent=stats.bytes_sent, bytes_dense=stats.bytes_dense)
                 if local is not None:
                     steps[-1]["synced"] = gradcomp.loop.synced  # this step ended a window
-            if save and step + 1 == args.save_at:
+            if save and step + 1 == args.save_at and ours:  # the strategy adds the exchange state itself
+                fabric.save(path, {"model": model, "optimizer": optimizer, "step": step + 1})
+            elif save and step + 1 == args.save_at:
                 entry = gradcomp.state_dict()  # every rank: a collective
                 state = {"model": model, "optimizer": optimizer, "gradcomp": entry, "step": step + 1}
                 if local is None:
@@ -126,15 +139,19 @@ def main() -> None:
     gradcomp.close()
 
     model, optimizer, gradcomp = build(fabric, args.compressor)
-    state = {"model": model, "optimizer": optimizer, "gradcomp": None, "step": 0}
-    fabric.load(path, state)
-    gradcomp.load_state_dict(state["gradcomp"])
+    if ours:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)  # the exchange state too
+    else:
+        state = {"model": model, "optimizer": optimizer, "gradcomp": None, "step": 0}
+        fabric.load(path, state)
+        gradcomp.load_state_dict(state["gradcomp"])
     resumed_steps = train(model, optimizer, gradcomp, state["step"], save=False)
     result.update(resumed_shards=local_shards(model.module), resumed_from=state["step"], resumed_steps=resumed_steps,
                   resumed_totals=gradcomp.totals.state_dict(), resumed_hook_step=gradcomp.hook_state.step)
     gradcomp.close()
 
-    if local is None:
+    if local is None and not ours:
         model, optimizer, _ = build(fabric, None)
         result.update(native_steps=train(model, optimizer, None, 0, save=False))
     torch.save(result, f"{args.out}.rank{fabric.global_rank}.pt")

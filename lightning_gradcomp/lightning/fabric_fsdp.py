@@ -1,0 +1,305 @@
+"""``GradCompFabricFSDPStrategy``: compressed HSDP for Fabric, registered as ``"gradcomp_fsdp"``, the Fabric
+twin of the Trainer's :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
+
+::
+
+    fabric = L.Fabric(devices=8, num_nodes=4, strategy=GradCompFabricFSDPStrategy(auto_wrap_policy={Block},
+                                                                               compressor="int8"))
+    fabric.launch()
+    model = fabric.setup_module(model)                  # FSDP2 inside each replica, the exchange between them
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    ...                                                 # the loop as with any Fabric strategy
+    fabric.save(path, {"model": model, "optimizer": optimizer})   # + the exchange state, under "gradcomp"
+
+Built on Fabric's FSDP2 support (:class:`lightning.fabric.strategies.ModelParallelStrategy`): the mesh is
+``("replicate", "shard")`` with ``shard_size`` processes per replica (default: the processes per node, one
+replica per node); the model is sharded over ``mesh["shard"]`` by ``auto_wrap_policy`` (every instance of
+the classes, then the model: what Lightning's ``FSDPStrategy(auto_wrap_policy=...)`` does) or by the
+``parallelize_fn(model, mesh)`` given; then :func:`~lightning_gradcomp.fsdp.register_fsdp` compresses what
+crosses between the replicas, or, with ``local_updates``, DiLoCo-style local updates run on the shards
+(with ``fault_tolerance``, this Fabric is one replica group sharded over its processes, joined to the
+others by torchft). ``fabric.save``/``fabric.load`` carry the exchange state with the model and optimizer
+(a sharded checkpoint directory, or one file with ``save_distributed_checkpoint=False``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.session import exchange_failures
+from lightning_gradcomp.fsdp.handle import FSDPHandle
+from lightning_gradcomp.lightning.sharding import (
+    ALLOWED_OPTIONS,
+    attach_sharded_exchange,
+    check_auto_wrap_policy,
+    check_fully_shard_options,
+    check_shard_size,
+    refuse_fsdp1,
+    refuse_options,
+    replica_mesh,
+    shard_by_policy,
+)
+from lightning_gradcomp.lightning.options import (
+    check_clipping_after_signs,
+    check_fault_tolerance,
+    check_fit_setup,
+    check_global_device_option,
+    check_process_group_backend,
+    check_timeout,
+    group_sampler_kwargs,
+)
+from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
+from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
+
+#: The Fabric strategy's own options beyond the Trainer's sharded strategy's.
+FABRIC_OPTIONS = ("parallelize_fn",)
+
+
+class GradCompFabricFSDPStrategy(ModelParallelStrategy):
+    """Fabric's FSDP2 inside each replica, the compressed exchange between replicas.
+
+    Args:
+        compressor, error_feedback, min_compress_numel, seed, local_updates, global_device, fault_tolerance,
+            shard_size, auto_wrap_policy, mp_policy, reshard_after_forward, save_distributed_checkpoint,
+            process_group_backend, timeout: as for the Trainer's
+            :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
+        parallelize_fn: ``fn(model, mesh) -> model`` that shards the model itself (``fully_shard(block,
+            mesh=mesh["shard"])`` for its blocks, then the model), in place of ``auto_wrap_policy``. With
+            neither, the model is sharded as one module (``fully_shard(model)``).
+
+    One model at a time (``fabric.setup_module``; another after ``fabric.strategy.gradcomp.close()``); build
+    its optimizers after it, on its sharded parameters. With ``local_updates`` the synchronisation runs inside ``optimizer.step()`` of the
+    first optimizer set up, every ``H`` steps; evaluate ``θ_global`` inside
+    ``with fabric.strategy.gradcomp.global_weights():``.
+    """
+
+    strategy_name = "gradcomp_fsdp"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "topk",
+        error_feedback: Optional[bool] = None,
+        min_compress_numel: int = 1024,
+        seed: int = 0,
+        local_updates: Optional[Union[LocalUpdates, int]] = None,
+        global_device: Optional[Union[str, torch.device]] = None,
+        fault_tolerance: Optional[FaultTolerance] = None,
+        shard_size: Optional[int] = None,
+        auto_wrap_policy: Optional[Iterable[Union[type[nn.Module], str]]] = None,
+        parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
+        mp_policy: Optional[Any] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        refuse_options(kwargs, "GradCompFabricFSDPStrategy", ALLOWED_OPTIONS + FABRIC_OPTIONS)
+        self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.local_updates = check_local_updates(local_updates)
+        self.global_device = check_global_device_option(global_device, self.local_updates)
+        self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
+        self.shard_size = check_shard_size(shard_size)
+        self.auto_wrap_policy = check_auto_wrap_policy(auto_wrap_policy)
+        if parallelize_fn is not None and (self.auto_wrap_policy is not None or not callable(parallelize_fn)):
+            raise ValueError("`parallelize_fn` must be a callable fn(model, mesh) -> model that shards the model "
+                             "over mesh['shard'], and is given instead of auto_wrap_policy; allowed: one of the two")
+        # fully_shard's options apply to the modules the strategy shards (the policy's, or the model alone)
+        sharded_here = self.auto_wrap_policy if parallelize_fn is not None else (self.auto_wrap_policy or ())
+        self.fully_shard_kwargs = check_fully_shard_options(sharded_here, mp_policy, reshard_after_forward)
+        super().__init__(
+            parallelize_fn=parallelize_fn or self._shard_by_policy,
+            save_distributed_checkpoint=check_bool(save_distributed_checkpoint, "save_distributed_checkpoint"),
+            process_group_backend=check_process_group_backend(process_group_backend),
+            timeout=check_timeout(timeout),
+        )
+        #: the exchange between the replicas (made when the model is set up)
+        self.gradcomp: Optional[Union[FSDPHandle, LocalUpdateHandle]] = None
+        self._pending_entry: Optional[dict[str, Any]] = None
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.options.compressor
+
+    @property
+    def step_stats(self) -> StepStats:
+        """The figures of the latest completed backward pass (empty before the model is set up)."""
+        return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
+
+    @property
+    def compression_workers(self) -> int:
+        """The processes that exchange one shard compressed: the replicas (under fault tolerance: the replica
+        groups of the last quorum)."""
+        if isinstance(self.gradcomp, FaultTolerantHandle):
+            return self.gradcomp.loop.driver.world_size
+        return self.device_mesh["replicate"].size()
+
+    def summary(self, network: Optional[Network] = None) -> str:
+        """The end-of-training table, averaged over ranks; every rank calls it (print it on rank 0:
+        ``fabric.print(fabric.strategy.summary())``)."""
+        if self.gradcomp is None:
+            raise RuntimeError("GradCompFabricFSDPStrategy.summary(): no model has been set up yet (fabric.setup_module)")
+        return self.gradcomp.summary(network)
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``gradcomp_fsdp`` with Fabric."""
+        strategy_registry.register(
+            cls.strategy_name, cls, override=True,
+            description="FSDP2 inside each replica, compressed gradients between replicas (lightning-gradcomp HSDP)",
+        )
+
+    # ------------------------------------------------------------------ the mesh and the data
+    @override
+    def setup_environment(self) -> None:
+        """Start the processes' group and build the ``("replicate", "shard")`` mesh."""
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
+        self._device_mesh = replica_mesh("GradCompFabricFSDPStrategy", self.world_size, self.num_processes,
+                                         self.shard_size, self.fault_tolerance is not None, self.root_device.type)
+        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process its own share of the data (replicas and shards alike are data parallel)."""
+        return group_sampler_kwargs({"num_replicas": self.world_size, "rank": self.global_rank}, self.fault_tolerance)
+
+    # ------------------------------------------------------------------ setup
+    def _shard_by_policy(self, module: nn.Module, mesh: Any) -> nn.Module:
+        """Every instance of ``auto_wrap_policy``'s classes, then the model (without a policy: the model alone,
+        one parameter group, as Lightning's FSDP strategies do; a policy overlaps communication better)."""
+        shard_by_policy(module, self.auto_wrap_policy or (), mesh["shard"], self.fully_shard_kwargs)
+        return module
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Shard ``module`` (``auto_wrap_policy`` or ``parallelize_fn``) and attach the exchange between the
+        replicas."""
+        if self.gradcomp is not None and not self.gradcomp.closed:
+            raise ValueError("GradCompFabricFSDPStrategy compresses the gradients of one model at a time; a second "
+                             "model was set up while the first one's exchange is open (allowed: "
+                             "fabric.strategy.gradcomp.close() first)")
+        refuse_fsdp1(module)
+        module = self._parallelize_fn(module, self.device_mesh)
+        if not isinstance(module, Module):
+            raise TypeError(f"`parallelize_fn` must return the nn.Module it sharded, got {type(module).__name__}")
+        _materialize_distributed_module(module, self.root_device)
+        options = self.options
+        self.gradcomp = attach_sharded_exchange(
+            module, self.device_mesh, options.compressor, self.local_updates, self.fault_tolerance, self.global_device,
+            error_feedback=options.error_feedback, min_compress_numel=options.min_compress_numel, seed=options.seed,
+            timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
+        if self._pending_entry is not None:
+            entry, self._pending_entry = self._pending_entry, None
+            self.gradcomp.load_state_dict(entry)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check the optimizer against the compressor and bind it (every step), or count its steps (local
+        updates: the first one set up counts the window)."""
+        if self.gradcomp is None:
+            raise ValueError("GradCompFabricFSDPStrategy: set the model up first, then build its optimizer on the "
+                             "sharded parameters: model = fabric.setup_module(model); optimizer = "
+                             "fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))")
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            self.gradcomp.optimizers.append(optimizer)  # its per-rank state goes into fabric.save
+        else:
+            check_fit_setup(self.compressor, self.gradcomp.hook_state.error_feedback, [optimizer], self.precision,
+                            names=self.gradcomp.param_names)
+            self.gradcomp.bind(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`."""
+        with exchange_failures(self.gradcomp):
+            super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The inner step; with local updates every ``H``-th step of the first optimizer is followed by the
+        outer synchronisation."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        if isinstance(self.gradcomp, LocalUpdateHandle) and self.gradcomp.optimizers and \
+                optimizer in (self.gradcomp.optimizers[0], getattr(self.gradcomp.optimizers[0], "optimizer", None)):
+            self.gradcomp.step()
+        return output
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Fabric's clipping, refused after a compressor that hands the optimizer signs (DeMo)."""
+        if self.local_updates is None:
+            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(max_norm={max_norm!r})",
+                                       "no fabric.clip_gradients")
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def teardown(self) -> None:
+        if self.gradcomp is not None:
+            self.gradcomp.close()
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Fabric's sharded checkpoint, plus every rank's exchange state under ``"gradcomp"``; under local
+        updates the model's shards are ``θ_global``'s (each rank's replica travels in the entry)."""
+        if self.gradcomp is not None:
+            if CHECKPOINT_KEY in state:
+                raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
+                                 "allowed: any other name for your own entries")
+            entry = self.gradcomp.state_dict()  # a collective: every rank takes part
+            if entry is not None:
+                state = {**state, CHECKPOINT_KEY: entry}
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            with self.gradcomp.global_weights():
+                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Fabric's load; with a ``state`` dict the exchange state is restored too (now, or when the model is
+        set up) and left out of the returned remainder."""
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, dict) and state:
+            entry = remainder.pop(CHECKPOINT_KEY, None)
+            if entry is not None and self.gradcomp is not None:
+                self.gradcomp.load_state_dict(entry)
+            elif entry is not None:
+                self._pending_entry = entry
+        return remainder
+
+
+GradCompFabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,194 @@
+"""What the Trainer's and Fabric's sharded strategies share: their options and the checks of them, the
+``("replicate", "shard")`` mesh, sharding by an auto-wrap policy, and the exchange attached between the
+replicas. It imports no Lightning (the strategies' modules do, and Lightning's import registers them: a
+module they both import must be complete before that happens)."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.fsdp2 import MESH_DIMS
+from lightning_gradcomp.fsdp.handle import FSDPHandle, register_fsdp
+from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
+from lightning_gradcomp.local.handle import LocalUpdateHandle
+from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
+
+#: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
+REFUSED_OPTIONS = {
+    "hierarchy": "the mesh is the hierarchy here: FSDP communicates inside a replica, the compressed exchange runs "
+                 "between replicas; allowed: leave hierarchy unset and choose the replica size with shard_size=",
+    "exchange_thread": "the exchange runs in FSDP2's all-reduce hook, on FSDP's own stream; allowed: leave "
+                       "exchange_thread unset",
+    "data_parallel_size": "the mesh is (replicas, shard_size) with dimensions ('replicate', 'shard'); allowed: "
+                          "shard_size= (the processes per replica)",
+    "tensor_parallel_size": "tensor parallelism is not combined with compressed HSDP; allowed: shard_size= (the "
+                            "processes per replica)",
+}
+
+#: The options the strategy takes, for the message about an unknown one.
+ALLOWED_OPTIONS = ("compressor", "error_feedback", "min_compress_numel", "seed", "log_stats", "print_summary",
+                   "local_updates", "global_device", "fault_tolerance", "shard_size", "auto_wrap_policy", "mp_policy", "reshard_after_forward",
+                   "save_distributed_checkpoint", "process_group_backend", "timeout")
+
+# ---------------------------------------------------------------------- options
+def refuse_options(kwargs: dict[str, Any], strategy: str = "GradCompFSDPStrategy",
+                   allowed: tuple[str, ...] = ALLOWED_OPTIONS) -> None:
+    """Refuse, naming it, an option of the other strategies that has no meaning here, or an unknown one."""
+    for name, value in kwargs.items():
+        if name in REFUSED_OPTIONS and value is not None:  # None: unset, as LightningCLI passes it
+            raise ValueError(f"{strategy}: `{name}={value!r}`: {REFUSED_OPTIONS[name]}")
+    unknown = sorted(name for name in kwargs if name not in REFUSED_OPTIONS)
+    if unknown:
+        raise ValueError(f"{strategy}: unknown option(s) {unknown}; allowed: {', '.join(allowed)} "
+                         "(DistributedDataParallel's arguments do not apply: FSDP2 shards the model)")
+
+
+def replica_mesh(strategy: str, world_size: int, num_processes: int, shard_size: Optional[int],
+                 fault_tolerant: bool, device_type: str) -> Any:
+    """The ``("replicate", "shard")`` mesh of a sharded strategy: ``shard_size`` processes per replica (``None``:
+    the processes per node); under fault tolerance this job is one replica group, sharded over all its
+    processes (torchft joins the groups). Warns when one replica leaves nothing to compress."""
+    if fault_tolerant:
+        if shard_size not in (None, world_size):
+            raise ValueError(f"{strategy}(fault_tolerance=...): this job is one replica group, its {world_size} "
+                             f"processes shard the model and torchft joins the groups; allowed: shard_size=None or "
+                             f"{world_size}")
+        shard_size = world_size
+        by_default = False
+    else:
+        by_default = shard_size is None
+        shard_size = shard_size or num_processes
+    replicas = check_world_divides(world_size, shard_size, by_default, strategy)
+    if replicas == 1 and not fault_tolerant:
+        _warn_on_rank_zero(f"{strategy}: one replica of {shard_size} processes: nothing crosses between replicas, so "
+                       "compression only adds error; set shard_size= to a divisor of the world size "
+                       f"({world_size}) below it to have several replicas")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
+
+
+def attach_sharded_exchange(module: nn.Module, mesh: Any, compressor: Union[Compressor, str],
+                            local_updates: Optional[LocalUpdates], fault_tolerance: Optional[FaultTolerance],
+                            global_device: Optional[torch.device], **options: Any) -> Union[FSDPHandle, LocalUpdateHandle]:
+    """The exchange between the replicas of a sharded ``module``, for the Trainer's and Fabric's sharded
+    strategies: :func:`register_fsdp` every step, local updates on the shards, or under fault tolerance
+    (this job one replica group; the quorum is taken now). ``options``: ``error_feedback``,
+    ``min_compress_numel``, ``seed``, ``timeout``. The inner optimizers are counted by the caller."""
+    if fault_tolerance is not None:
+        return attach_fault_tolerant_sharded(module, [], local_updates, compressor, fault_tolerance,
+                                             global_device=global_device, **options)
+    if local_updates is not None:
+        return attach_sharded(module, mesh, local_updates, compressor, global_device=global_device, **options)
+    return register_fsdp(module, mesh, compressor, **options)
+
+
+def check_shard_size(shard_size: Any) -> Optional[int]:
+    """``None`` (the devices per node) or an integer >= 1."""
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"`shard_size` must be None (the devices per node) or an integer >= 1 (the processes per "
+                         f"replica), got {shard_size!r}")
+    return shard_size
+
+
+def check_world_divides(world_size: int, shard_size: int, by_default: bool,
+                        strategy: str = "GradCompFSDPStrategy") -> int:
+    """The number of replicas, ``world_size // shard_size``; ``ValueError`` when it does not divide."""
+    if world_size % shard_size:
+        divisors = [size for size in range(1, world_size + 1) if world_size % size == 0]
+        origin = "the devices per node (shard_size=None)" if by_default else f"shard_size={shard_size}"
+        raise ValueError(f"{strategy}: the world size {world_size} is not a multiple of {origin}; allowed: "
+                         f"shard_size in {divisors}")
+    return world_size // shard_size
+
+
+def check_auto_wrap_policy(policy: Any) -> Optional[tuple[type[nn.Module], ...]]:
+    """``None``, or a non-empty set, list or tuple of ``nn.Module`` subclasses (or their import paths)."""
+    if policy is None:
+        return None
+    allowed = ("a set, list or tuple of nn.Module subclasses or their import paths (e.g. {Block} or "
+               "{'torch.nn.TransformerEncoderLayer'}), or None (configure_model shards the model)")
+    if isinstance(policy, (str, type)) or not isinstance(policy, (set, frozenset, list, tuple)) or not policy:
+        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got {policy!r}")
+    classes = tuple(_module_class(entry, allowed) for entry in policy)
+    return tuple(sorted(set(classes), key=lambda cls: f"{cls.__module__}.{cls.__qualname__}"))
+
+
+def _module_class(entry: Any, allowed: str) -> type[nn.Module]:
+    """One entry of ``auto_wrap_policy`` as a class."""
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.rpartition(".")
+        try:
+            entry = getattr(importlib.import_module(module_name), class_name) if module_name else None
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"`auto_wrap_policy`: cannot import {entry!r} ({error}); it must be {allowed}") from error
+    if not isinstance(entry, type) or not issubclass(entry, nn.Module):
+        raise ValueError(f"`auto_wrap_policy` must be {allowed}, got the entry {entry!r}")
+    return entry
+
+
+def check_fully_shard_options(policy: Optional[tuple[type[nn.Module], ...]], mp_policy: Any,
+                              reshard_after_forward: Any) -> dict[str, Any]:
+    """``fully_shard``'s options for ``auto_wrap_policy``; refused without it (``configure_model`` passes its own)."""
+    if policy is None and (mp_policy is not None or reshard_after_forward is not None):
+        raise ValueError("`mp_policy` and `reshard_after_forward` apply to the modules auto_wrap_policy shards; "
+                         "allowed without auto_wrap_policy: mp_policy=None and reshard_after_forward=None (pass them "
+                         "to fully_shard in your configure_model instead)")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"`mp_policy` must be None or a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                         f"{mp_policy!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool) and (
+            not isinstance(reshard_after_forward, int) or reshard_after_forward < 2):
+        raise ValueError(f"`reshard_after_forward` must be None (FSDP's default), True, False or an integer >= 2 (a "
+                         f"smaller shard size after forward), got {reshard_after_forward!r}")
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
+# ---------------------------------------------------------------------- sharding
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard_by_policy(root: nn.Module, classes: tuple[type[nn.Module], ...], mesh: Any,
+                    kwargs: dict[str, Any]) -> None:
+    """``fully_shard(module, mesh=mesh)`` for every instance of ``classes`` under ``root`` (the innermost
+    first; those already sharded are left as they are), then for ``root`` itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    matching = [module for module in root.modules()
+                if module is not root and isinstance(module, classes) and not is_fsdp_module(module)]
+    for module in reversed(matching):  # modules() lists a parent before its children
+        fully_shard(module, mesh=mesh, **kwargs)
+    if not is_fsdp_module(root):
+        fully_shard(root, mesh=mesh, **kwargs)
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1's ``FullyShardedDataParallel`` wrapper has no all-reduce hook to attach to."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        raise ValueError("GradCompFSDPStrategy works with FSDP2 (torch.distributed.fsdp.fully_shard); found modules "
+                         "wrapped in FSDP1's FullyShardedDataParallel: apply fully_shard(module, "
+                         "mesh=self.device_mesh['shard']) in configure_model instead")
+
+
+def _warn_on_rank_zero(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
