@@ -86,3 +86,23 @@ def test_simulated_fit_prints_the_summary_unless_switched_off(print_summary: boo
         assert "workers, steps           2, 3" in output
     with pytest.raises(ValueError, match="`print_summary` must be"):
         lightning_gradcomp.GradCompStrategy(print_summary="yes")
+
+
+def test_the_every_step_reference_of_streaming_diloco_is_the_whole_model(capsys: pytest.CaptureFixture) -> None:
+    """With 2 fragments each synchronisation exchanges one of them, so ``bytes_dense`` per synchronisation is
+    about half the model: the "DDP fp32 exchanging every step" reference is the whole model's fp32 bytes times
+    the optimizer steps (it read about half, and the ratio against DDP half the true one)."""
+    import lightning as L
+
+    from lightning_gradcomp import LocalUpdates
+    from lightning_gradcomp.examples.digits import DigitsClassifier, DigitsDataModule
+    from lightning_gradcomp.metrics.summary import _bytes
+
+    model = DigitsClassifier()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=8, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        strategy=lightning_gradcomp.GradCompSimStrategy(
+                            workers=2, compressor="int8", local_updates=LocalUpdates(4, fragments=2)))
+    trainer.fit(model, datamodule=DigitsDataModule())
+    whole = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad) * 8
+    assert f"DDP fp32 exchanging every step: {_bytes(whole)})" in capsys.readouterr().out

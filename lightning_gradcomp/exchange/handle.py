@@ -119,7 +119,7 @@ class ExchangeHandle:
             return values.cpu() / dist.get_world_size(group)
 
         return summarise(self.hook_state, self.compressor, self._exchange_workers(), network, mean_over_ranks,
-                         optimizer_steps=self._optimizer_steps())
+                         optimizer_steps=self._optimizer_steps(), dense_per_step=self._dense_per_step())
 
     def _exchange_workers(self) -> int:
         """The workers of the exchange, for the summary."""
@@ -135,6 +135,10 @@ class ExchangeHandle:
 
     def _optimizer_steps(self) -> Optional[int]:
         """The optimizer steps the exchanges covered when that is not one each (local updates), else ``None``."""
+        return None
+
+    def _dense_per_step(self) -> Optional[float]:
+        """Under local updates, what exchanging every step would send per step (this rank), else ``None``."""
         return None
 
     # ------------------------------------------------------------------ checkpointing

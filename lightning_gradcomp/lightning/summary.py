@@ -20,6 +20,7 @@ def print_fit_summary(strategy: Any) -> None:
     local = getattr(strategy, "local_loop", None) or getattr(strategy, "local", None)
     text = summarise(strategy.hook_state, strategy.compressor, strategy.compression_workers, network,
                      lambda values: strategy.reduce(values.to(device), reduce_op="mean").cpu(),
-                     optimizer_steps=local.steps_taken_here if local is not None else None)
+                     optimizer_steps=local.steps_taken_here if local is not None else None,
+                     dense_per_step=float(local.dense_bytes_per_step()) if local is not None else None)
     if strategy.is_global_zero:
         print(text, flush=True)

@@ -436,6 +436,12 @@ class FaultTolerantLoop(LocalUpdateLoop):
                 f"rank, processes per group): {everyone.tolist()}; every group needs the same number of processes, "
                 "model, sync_every and fragments")
 
+    def _exchanged_elements(self, index: int) -> int:
+        if self.blocks is None:
+            return super()._exchanged_elements(index)
+        block = self.blocks[index][dist.get_rank()]
+        return block.stop - block.start
+
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[torch.Tensor],
                           outs: Sequence[torch.Tensor]) -> list[Entry]:
         if self.blocks is None:

@@ -148,6 +148,9 @@ class LocalUpdateHandle(ExchangeHandle):
         self.loop.close()
         return self.loop.steps_taken_here
 
+    def _dense_per_step(self) -> Optional[float]:
+        return float(self.loop.dense_bytes_per_step())
+
     def bind(self, optimizer: Optimizer) -> None:
         """Refused: the compressor of local updates compresses outer gradients, and the inner optimizers are
         the training loop's own (they are not checked against it); the outer optimizer is ``outer_optimizer``

@@ -89,6 +89,16 @@ class ScheduledSyncs:
         position (a fault-tolerant group that joined a running job counts from its join)."""
         return self.outer.optimizer_steps
 
+    def dense_bytes_per_step(self) -> int:
+        """What exchanging every optimizer step would send (the summary's reference): the fp32 all-reduce of
+        every parameter this rank exchanges, whole model, every fragment (its shard on a sharded model, its
+        row blocks in a replica group of several processes), counted as ``bytes_dense`` is."""
+        return 4 * sum(self._exchanged_elements(index) for index in range(len(self.params)))
+
+    def _exchanged_elements(self, index: int) -> int:
+        """The elements of parameter ``index`` this rank exchanges at a synchronisation."""
+        return self.params[index].numel()
+
     def step(self) -> bool:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
         is. Whether a synchronisation was merged."""

@@ -35,7 +35,7 @@ def _bytes(value: float) -> str:
 
 def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Optional[float] = None,
                    dense_s: Optional[float] = None, network: Optional[Network] = None,
-                   optimizer_steps: Optional[int] = None) -> str:
+                   optimizer_steps: Optional[int] = None, dense_per_step: Optional[float] = None) -> str:
     """The summary table.
 
     Args:
@@ -49,6 +49,9 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
         optimizer_steps: under local updates, the optimizer steps the ``totals.steps`` synchronisations
             covered: the bytes are then also given per optimizer step and against DDP exchanging every
             step (fp32, and bf16 at half its bytes); the ratio is then against uncompressed DiLoCo.
+        dense_per_step: under local updates, the bytes per worker of that every-step exchange (the whole
+            model's: with fragments a synchronisation exchanges only one, so ``bytes_dense`` per
+            synchronisation is not it); ``None``: ``bytes_dense`` per synchronisation.
     """
     steps = int(totals.steps)
     if optimizer_steps is None:
@@ -59,7 +62,9 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
             ("measured ratio", f"{totals.compression_ratio:.1f}x" if totals.bytes_sent else "n/a"),
         ]
     else:
-        per_step_ddp = totals.bytes_dense / steps * optimizer_steps if steps else 0.0  # fp32, every step
+        if dense_per_step is None:  # every synchronisation exchanged the whole model
+            dense_per_step = totals.bytes_dense / steps if steps else 0.0
+        per_step_ddp = dense_per_step * optimizer_steps  # fp32, every step
         against = (f"{per_step_ddp / totals.bytes_sent:.1f}x fewer than DDP fp32, "
                    f"{per_step_ddp / 2 / totals.bytes_sent:.1f}x fewer than DDP bf16") if totals.bytes_sent else "n/a"
         rows = [
@@ -90,14 +95,20 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
 
 def summarise(hook_state: Any, compressor: object, workers: int, network: Optional[Network] = None,
               mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda values: values,
-              optimizer_steps: Optional[int] = None) -> str:
+              optimizer_steps: Optional[int] = None, dense_per_step: Optional[float] = None) -> str:
     """The summary of ``hook_state``'s running totals (``totals``, ``tally``), averaged over ranks by
     ``mean_over_ranks`` (a collective where ranks are processes: every rank must call it); ``compressor``
-    is described by its ``repr``; ``optimizer_steps``: see :func:`format_summary`."""
-    values = torch.tensor(hook_state.totals.as_list(), dtype=torch.float64)
-    totals = StepStats.from_list(mean_over_ranks(values).tolist())
+    is described by its ``repr``; ``optimizer_steps``, ``dense_per_step`` (this rank's): see
+    :func:`format_summary`."""
+    values = torch.tensor([*hook_state.totals.as_list(), dense_per_step or 0.0], dtype=torch.float64)
+    *averaged, dense_per_step_mean = mean_over_ranks(values).tolist()
+    totals = StepStats.from_list(averaged)
+    dense_per_step = dense_per_step_mean if dense_per_step is not None else None
     comm_s = hook_state.tally.time(network, workers) if network is not None else None
     dense_s = dense_time(totals, network, workers) if network is not None else None
     if optimizer_steps is not None and network is not None:  # DDP would have exchanged every optimizer step
-        dense_s = dense_s / max(totals.steps, 1) * optimizer_steps
-    return format_summary(repr(compressor), workers, totals, comm_s, dense_s, network, optimizer_steps)
+        if dense_per_step is not None and totals.bytes_dense > 0:  # the whole model every step, bucketed alike
+            dense_s = dense_s * dense_per_step * optimizer_steps / totals.bytes_dense
+        else:
+            dense_s = dense_s / max(totals.steps, 1) * optimizer_steps
+    return format_summary(repr(compressor), workers, totals, comm_s, dense_s, network, optimizer_steps, dense_per_step)
