@@ -367,3 +367,59 @@ def test_the_simulation_exchanges_whole_layers() -> None:
                                    in enumerate(zip(before, sim.outer.global_params)) if not torch.equal(a, b)}))
     assert moved_after == [[], ["embed", "encoder.layers.0", "encoder.layers.2"], [],
                            ["encoder", "encoder.layers.1", "encoder.layers.3", "head"]]
+
+
+class HeadFirstLM(nn.Module):
+    """LitGPT's layout: the output layer registered first (``lm_head``), then the embedding, the blocks and the
+    final norm, used in the forward pass in the order embedding, blocks, norm, output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(16, 32)
+        self.wte = nn.Embedding(32, 16)
+        self.h = nn.ModuleList([nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                for _ in range(4)])
+        self.ln_f = nn.LayerNorm(16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _train_one_step(model: nn.Module, optimizer: torch.optim.Optimizer, sim: SimulatedLocalUpdates) -> None:
+    for worker in range(2):
+        with sim.worker(worker):
+            tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(worker))
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    sim.step()
+
+
+def test_the_output_layer_goes_last_by_the_forward_pass_not_by_registration() -> None:
+    """Registration order would put ``lm_head`` (registered first) with the embedding in fragment 0; the first
+    forward pass shows it is used last, so the grouping settles at the first step, before any exchange, with
+    the output layer and the final norm in the last fragment. A checkpoint carries it to a run that has not
+    run a forward pass yet."""
+    model = HeadFirstLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = LocalUpdates(4, fragments=2)
+    sim = SimulatedLocalUpdates(model, [optimizer], config, workers=2)
+    registration = by_fragment(sim.names, sim.outer.fragment_of)
+    assert "lm_head.weight" in registration[0]  # before any forward pass: registration order
+    _train_one_step(model, optimizer, sim)
+    settled = by_fragment(sim.names, sim.outer.fragment_of)
+    assert {"lm_head.weight", "ln_f.weight"} <= set(settled[1]) and "wte.weight" in settled[0], settled
+    assert all(name.startswith(("h.0.", "h.2.", "wte.")) for name in settled[0]), settled[0]
+    states = sim.state_dicts()
+    for _ in range(3):
+        _train_one_step(model, optimizer, sim)  # the exchanges use the settled grouping
+
+    resumed_model = HeadFirstLM()
+    resumed_optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1)
+    resumed = SimulatedLocalUpdates(resumed_model, [resumed_optimizer], config, workers=2)
+    resumed.load_state_dicts(states)  # no forward pass yet: the checkpoint's grouping is taken
+    assert resumed.outer.fragment_of == sim.outer.fragment_of

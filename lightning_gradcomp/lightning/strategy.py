@@ -330,6 +330,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
 
     @override
     def teardown(self) -> None:
+        if self.local_loop is not None:
+            self.local_loop.forget_first_use()
         if isinstance(self.local_loop, FaultTolerantLoop):
             self.local_loop.shutdown()  # leave the quorum: the other groups go on
         super().teardown()

@@ -379,6 +379,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
     def _receive_state(self, state: dict[str, Any]) -> None:
         """A peer's :meth:`_shared_state`: this group continues from θ_global, with fresh residuals and
         compressor state."""
+        self._adopt_saved_fragments(state["outer"])  # a group that joins before its first step: the peers' grouping
         self.outer.load_state_dict(state["outer"])
         self.global_buffers.load_state_dict(state.get("global_buffers"))
         self.adopt_global()

@@ -8,22 +8,27 @@ of repeated blocks go to fragment ``i mod F``; or the user's own lists of module
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from lightning_gradcomp.local.config import FragmentEntry, LocalUpdates
 
 
-def fragment_assignment(module: torch.nn.Module, names: Sequence[str], config: LocalUpdates) -> list[int]:
+def fragment_assignment(module: torch.nn.Module, names: Sequence[str], config: LocalUpdates,
+                        first_use: Optional[Mapping[str, int]] = None) -> list[int]:
     """The fragment of each of ``module``'s trainable parameters ``names`` (in ``named_parameters`` order),
     for ``config.fragments``:
 
     * an int ``F``: strided groups of whole blocks, as Streaming DiLoCo's (Douillard et al. 2025 compare
       "sequential" and "strided" fragments and keep strided). The blocks are the children of the model's stacks
       (:func:`repeated_blocks`), in registration order; block ``i`` goes to fragment ``i mod F``, the
-      parameters registered before the first block (embeddings) to fragment 0, the others outside the
-      blocks (final norm, output layer) to fragment ``F − 1`` (where torchtitan's fragments put them). A
+      parameters outside the blocks that the forward pass uses before the first block (embeddings) to
+      fragment 0, the others (final norm, output layer) to fragment ``F − 1`` (where torchtitan's fragments
+      put them). Which come first is read from ``first_use`` (module name -> the order of its first call in
+      a forward pass, :class:`FirstUse`) where it knows the module, else from the registration order (a
+      model that registers its output layer first, as LitGPT's GPT does, is right once a forward pass has
+      run: the loops record the first one). A
       model with fewer than ``F`` blocks, or whose blocks hold fewer than half its modules with trainable
       parameters (a small stack inside another kind of model), gets :func:`assign_fragments`' modules dealt
       out in turn instead.
@@ -35,11 +40,8 @@ def fragment_assignment(module: torch.nn.Module, names: Sequence[str], config: L
     if isinstance(fragments, int):
         if fragments == 1:
             return [0] * len(names)
-        blocks = repeated_blocks(module, names)
-        owners = {name.rpartition(".")[0] for name in names}
-        inside = {owner for owner in owners if any(_within(owner, block) for block in blocks)}
-        if len(blocks) >= fragments and 2 * len(inside) >= len(owners):
-            return strided_blocks(names, blocks, fragments)
+        if uses_block_strides(module, names, config):
+            return strided_blocks(names, repeated_blocks(module, names), fragments, first_use)
         return assign_fragments(names, fragments)
     module_names = {id(sub): name for name, sub in module.named_modules()}
     resolved = []
@@ -142,10 +144,15 @@ def repeated_blocks(module: torch.nn.Module, names: Sequence[str]) -> list[str]:
     return blocks
 
 
-def strided_blocks(names: Sequence[str], blocks: Sequence[str], fragments: int) -> list[int]:
+def strided_blocks(names: Sequence[str], blocks: Sequence[str], fragments: int,
+                   first_use: Optional[Mapping[str, int]] = None) -> list[int]:
     """Block ``i`` (of ``blocks``, module names) to fragment ``i mod fragments``; a parameter outside the
-    blocks to fragment 0 when it comes before the first block's (in ``names``' order), else to the last."""
+    blocks to fragment 0 when it comes before the first block, else to the last. "Before": its module's
+    first call precedes every block's in ``first_use`` (module name -> order of first call) where both are
+    known, else its name precedes the first block's parameters in ``names``."""
     index = {block: number for number, block in enumerate(blocks)}
+    called = [first_use[block] for block in blocks if first_use and block in first_use]
+    first_block_call = min(called) if called else None
     result = []
     seen = False
     for name in names:
@@ -153,8 +160,57 @@ def strided_blocks(names: Sequence[str], blocks: Sequence[str], fragments: int) 
         owner = next((index[prefix] for prefix in (".".join(parts[:depth]) for depth in range(1, len(parts)))
                       if prefix in index), None)
         seen = seen or owner is not None
-        result.append(owner % fragments if owner is not None else (fragments - 1 if seen else 0))
+        if owner is not None:
+            result.append(owner % fragments)
+            continue
+        module = name.rpartition(".")[0]
+        if first_block_call is not None and first_use is not None and module in first_use:
+            result.append(0 if first_use[module] < first_block_call else fragments - 1)
+        else:
+            result.append(fragments - 1 if seen else 0)
     return result
+
+
+def uses_block_strides(module: torch.nn.Module, names: Sequence[str], config: LocalUpdates) -> bool:
+    """Whether ``config.fragments`` groups ``module``'s parameters by strided blocks (:func:`fragment_assignment`'s
+    default), where the order of first use decides the parameters outside the blocks."""
+    fragments = config.fragments
+    if not isinstance(fragments, int) or fragments == 1:
+        return False
+    blocks = repeated_blocks(module, names)
+    owners = {name.rpartition(".")[0] for name in names}
+    inside = {owner for owner in owners if any(_within(owner, block) for block in blocks)}
+    return len(blocks) >= fragments and 2 * len(inside) >= len(owners)
+
+
+class FirstUse:
+    """The order in which a model's modules are first called in forward passes (``order``: module name ->
+    rank), recorded by forward pre-hooks until :meth:`stop`.
+
+    The hooks stay registered after :meth:`stop` as no-ops (removing them would make a ``torch.compile``'d
+    model compile again) until :meth:`remove`; inside a compiled graph they record nothing
+    (``torch.compiler.is_compiling()``), and the order is then left empty (the registration order stands)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.order: dict[str, int] = {}
+        self.recording = True
+        self._handles = [sub.register_forward_pre_hook(self._hook(name)) for name, sub in module.named_modules()]
+
+    def _hook(self, name: str):  # noqa: ANN202 - a forward pre-hook
+        def record(_module: torch.nn.Module, _args: Any) -> None:
+            if self.recording and not torch.compiler.is_compiling():
+                self.order.setdefault(name, len(self.order))
+        return record
+
+    def stop(self) -> dict[str, int]:
+        """Stop recording; the order so far."""
+        self.recording = False
+        return self.order
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def checked_assignment(fragment_of: Sequence[int], names: Sequence[str], fragments: int) -> list[int]:

@@ -141,6 +141,7 @@ class LocalUpdateHandle(ExchangeHandle):
     def close(self) -> None:
         """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
         self._stop_counting_optimizer_steps()
+        self.loop.forget_first_use()
         super().close()
 
     def _optimizer_steps(self) -> Optional[int]:

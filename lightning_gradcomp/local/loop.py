@@ -31,7 +31,13 @@ from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
-from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
+from lightning_gradcomp.local.fragments import (
+    buffer_fragments,
+    checked_assignment,
+    FirstUse,
+    fragment_assignment,
+    uses_block_strides,
+)
 from lightning_gradcomp.local.outer import (
     averaged,
     buffer_dtype,
@@ -99,10 +105,53 @@ class ScheduledSyncs:
         """The elements of parameter ``index`` this rank exchanges at a synchronisation."""
         return self.params[index].numel()
 
+    # ------------------------------------------------------------------ the default fragments, by first use
+    def _record_first_use(self, module: torch.nn.Module, config: LocalUpdates) -> None:
+        """Where the default fragments group blocks, record which modules the first forward pass calls
+        before the first block (:class:`~lightning_gradcomp.local.fragments.FirstUse`): the grouping is
+        settled at the first inner step, before any exchange."""
+        self._first_use: Optional[FirstUse] = None
+        self._first_use_module, self._first_use_config = module, config
+        if uses_block_strides(module, self.names, config):
+            self._first_use = FirstUse(module)
+
+    def _settle_fragments(self) -> None:
+        """Group the parameters outside the blocks by the order the first forward pass used them (nothing
+        to do once settled, or where the default grouping does not apply)."""
+        recorder = getattr(self, "_first_use", None)
+        if recorder is None or not recorder.recording:
+            return
+        order = recorder.stop()
+        if order:
+            self._use_fragments(fragment_assignment(self._first_use_module, self.names, self._first_use_config, order))
+
+    def _adopt_saved_fragments(self, outer_state: Optional[dict[str, Any]]) -> None:
+        """A checkpoint's grouping, taken before this run's first forward pass (a checkpoint written after
+        one holds the grouping by first use, which this run would settle on too)."""
+        recorder = getattr(self, "_first_use", None)
+        saved = (outer_state or {}).get("fragment_of")
+        if recorder is not None and recorder.recording and saved is not None and len(saved) == len(self.names):
+            recorder.stop()
+            if list(saved) != self.outer.fragment_of:
+                self._use_fragments(list(saved))
+
+    def _use_fragments(self, fragment_of: Sequence[int]) -> None:
+        self.outer.fragment_of = checked_assignment(fragment_of, self.names, self.outer.fragments)
+        self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
+                                                self.outer.fragment_of, self.outer.fragments)
+        self.global_buffers.fragment_of = list(self.buffer_fragment)
+
+    def forget_first_use(self) -> None:
+        """Remove the recorder's hooks (when the handle closes)."""
+        recorder = getattr(self, "_first_use", None)
+        if recorder is not None:
+            recorder.remove()
+
     def step(self) -> bool:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
         is. Whether a synchronisation was merged."""
         self._refuse_inside_the_view("an inner optimizer step (the optimizer stepped θ_global itself)")
+        self._settle_fragments()
         starting = self.outer.count_step()
         now = self.outer.optimizer_steps
         self.synced = False
@@ -124,6 +173,7 @@ class ScheduledSyncs:
         steps are not lost and every rank ends with the same weights, ``θ_global``. The schedule goes on
         from the step counter: a later window after a :meth:`sync` is shorter."""
         self._refuse_inside_the_view("sync()")
+        self._settle_fragments()
         self.synced = False
         for pending in list(self.pending):
             self._complete(pending)
@@ -226,6 +276,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
         self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
+        self._record_first_use(module, config)
         self.pending: list[PendingSync] = []
         self.synced = False
         #: each parameter's dtype and device when θ_global was built from it (checked at each synchronisation)
@@ -346,6 +397,7 @@ class LocalUpdateLoop(ScheduledSyncs):
                     "global_buffers": self.global_buffers.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
+        self._adopt_saved_fragments(state.get("outer"))
         with self._replica_shown():
             load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
         self.global_buffers.load_state_dict(state.get("global_buffers"))

@@ -85,6 +85,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
         self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
+        self._record_first_use(module, config)
         self.pending: list[PendingSync] = []
         self.synced = False
         first = _Replica([p.data for p in self.params], [b.data for _, b in self.buffers],
@@ -219,6 +220,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         if len(states) != self.workers:
             raise ValueError(f"gradcomp: the checkpoint holds the local-update state of {len(states)} workers, this "
                              f"simulation has {self.workers}")
+        self._adopt_saved_fragments(states[0].get("outer") if states else None)
         with self._replica_shown():
             self._keep()
             current = self.current
