@@ -118,3 +118,38 @@ def test_every_shipped_compressor_preset_can_be_estimated() -> None:
     assert set(load_compressors(["all"])) == shipped - {"none", "fp16"}
     assert set(load_compressors()) == set(DEFAULT_COMPRESSORS) < shipped
     assert set(load_compressors(["qsgd_s16", "demo"])) == {"qsgd_s16", "demo"}
+
+
+class TinyConfig:
+    """A config object, as LitGPT's ``Config``: the model takes it, not numbers."""
+
+    def __init__(self, vocab: int = 50, width: int = 8) -> None:
+        self.vocab, self.width = vocab, width
+
+
+class TinyGPT(__import__("torch").nn.Module):
+    def __init__(self, config: TinyConfig) -> None:
+        import torch
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(config.vocab, config.width)
+        self.head = torch.nn.Linear(config.width, config.vocab)
+
+    def forward(self, tokens):  # noqa: ANN001, ANN201
+        return self.head(self.embed(tokens))
+
+
+def make_tiny_gpt(vocab: int = 50) -> TinyGPT:
+    return TinyGPT(TinyConfig(vocab))
+
+
+@pytest.mark.parametrize("model, model_args", [("tests.test_estimate:TinyGPT", '{"config": {"vocab": 40}}'),
+                                               ("tests.test_estimate:make_tiny_gpt", '{"vocab": 30}')])
+def test_a_model_built_from_a_config_or_a_factory_draws_tokens_its_embedding_holds(model: str, model_args: str) -> None:
+    """A JSON object for an argument annotated with a class builds that class (LitGPT's ``GPT(config: Config)``),
+    a factory function is called, and integer inputs come from the model's smallest vocabulary (a range of
+    10,000 made a 40-token embedding fail with IndexError)."""
+    predictions = run(["--model", model, "--model-args", model_args, "--batch-shape", "2,6", "--input-dtype", "int64",
+                       "--repeats", "1", "--threads", "1", "--compressors", "int8_allreduce"])
+    assert {p.name for p in predictions} >= {"DDP fp32", "int8_allreduce"}
+    assert build_model("tests.test_estimate:TinyGPT", {"config": {"vocab": 40}}).embed.num_embeddings == 40

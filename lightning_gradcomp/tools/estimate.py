@@ -39,8 +39,9 @@ import json
 import re
 import statistics
 import time
+import typing
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import yaml
@@ -90,8 +91,11 @@ def parse_latency(text: str) -> float:
 
 
 def build_model(spec: str, model_args: Optional[dict[str, Any]] = None) -> nn.Module:
-    """A model from ``torchvision:<name>``, ``mlp:<in>,<hidden>...,<out>`` or a class path
-    (``package.module.Class`` or ``package.module:Class``, a LightningModule or any ``nn.Module``)."""
+    """A model from ``torchvision:<name>``, ``mlp:<in>,<hidden>...,<out>``, or the path of a class or a
+    factory function (``package.module.Class``, ``package.module:make_model``; a LightningModule or any
+    ``nn.Module``) called with ``model_args``. An argument annotated with a class and given as a JSON object
+    is built from it (``--model litgpt.GPT --model-args '{"config": {"n_layer": 2, ...}}'`` builds
+    ``GPT(Config(n_layer=2, ...))``)."""
     model_args = model_args or {}
     if spec.startswith("torchvision:"):
         import torchvision
@@ -111,10 +115,38 @@ def build_model(spec: str, model_args: Optional[dict[str, Any]] = None) -> nn.Mo
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(f"`--model`: cannot import {spec!r} ({error}); allowed: torchvision:<name>, "
                          "mlp:<widths>, or a class path such as my_package.models.MyModule") from None
-    model = cls(**model_args)
+    model = cls(**built_arguments(cls, model_args))
     if not isinstance(model, nn.Module):
         raise ValueError(f"`--model` {spec!r} built a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def built_arguments(factory: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` for ``factory``, each JSON object whose parameter is annotated with a class (a config
+    dataclass) built into that class (recursively); the others as given."""
+    try:
+        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: pass the arguments as they are
+        return dict(arguments)
+    built = {}
+    for name, value in arguments.items():
+        kind = hints.get(name)
+        kind = next((option for option in typing.get_args(kind) if isinstance(option, type)), kind) \
+            if typing.get_origin(kind) is Union else kind
+        if isinstance(value, dict) and isinstance(kind, type) and kind not in (dict, object) and \
+                not issubclass(kind, dict):
+            value = kind(**built_arguments(kind, value))
+        built[name] = value
+    return built
+
+
+def input_vocabulary(model: nn.Module, given: Optional[int] = None) -> int:
+    """The range integer inputs are drawn from: ``given``, else the smallest vocabulary of the model's
+    embeddings (a token id must be valid in each), else 10,000."""
+    if given is not None:
+        return given
+    sizes = [module.num_embeddings for module in model.modules() if isinstance(module, (nn.Embedding, nn.EmbeddingBag))]
+    return min(sizes) if sizes else 10000
 
 
 def load_compressors(names: Optional[list[str]] = None) -> dict[str, Compressor]:
@@ -318,11 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradcomp estimate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
-                        help="torchvision:<name>, mlp:<in>,<hidden>...,<out>, or a class path "
-                             "(nn.Module/LightningModule)")
+                        help="torchvision:<name>, mlp:<in>,<hidden>...,<out>, or the path of a class or factory "
+                             "(package.module:make_model; nn.Module/LightningModule)")
     parser.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments of the model")
     parser.add_argument("--batch-shape", required=True, help="per-worker input shape, e.g. 32,3,224,224")
     parser.add_argument("--input-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int64"])
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="int64 inputs are drawn from [0, vocab-size) (default: the model's smallest "
+                             "nn.Embedding, else 10000)")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--bandwidth", default="10gbit", help="link rate: 100mbit, 1gbit, 25gbit... (default 10gbit)")
     parser.add_argument("--latency", default="50us", help="per-message latency: 50us, 0.5ms... (default 50us)")
@@ -361,7 +396,8 @@ def run(argv: Optional[list[str]] = None) -> list[Prediction]:
     device = torch.device(args.device)
     compressors = load_compressors(args.compressors)
     model = build_model(args.model, args.model_args)
-    compute_s = measure_compute(model, batch_shape, getattr(torch, args.input_dtype), device, args.repeats)
+    compute_s = measure_compute(model, batch_shape, getattr(torch, args.input_dtype), device, args.repeats,
+                                input_vocabulary(model, args.vocab_size))
     gradients = [(name, p.grad.detach().clone()) for name, p in model.named_parameters() if p.grad is not None]
     numel = sum(grad.numel() for _, grad in gradients)
     exchanges = [ddp_exchange(name, gradients, itemsize, args.workers) for name, itemsize in BASELINES.items()]
