@@ -52,6 +52,7 @@ from lightning_gradcomp.lightning.options import (
     REGISTERED_VARIANTS,
 )
 from lightning_gradcomp.lightning.options import check_clipping_after_signs, check_fit_setup
+from lightning_gradcomp.lightning.step_figures import ReportsFigures
 from lightning_gradcomp.ddp.hook import exchange_failures, no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
@@ -64,7 +65,7 @@ from lightning_gradcomp.metrics.stats import StepStats
 TRAINER_ONLY_OPTIONS = ("hierarchy", "log_stats", "print_summary")
 
 
-class GradCompFabricStrategy(DDPStrategy):
+class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
     """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Args:
@@ -77,6 +78,8 @@ class GradCompFabricStrategy(DDPStrategy):
             running job continues from the others' step).
         global_device: with ``local_updates``, where ``θ_global`` and the outer state live: ``None`` (the
             parameters' device) or ``"cpu"`` (pinned host memory), as for the Trainer's strategy.
+        telemetry: also measure the compression error ``Σ‖p − C(p)‖²`` and the time spent compressing (one
+            host read per step), in :meth:`metrics` and the summary.
         **kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``, ``static_graph``...).
 
     One model per strategy is compressed (the first ``fabric.setup``/``setup_module``); its compression
@@ -104,8 +107,10 @@ class GradCompFabricStrategy(DDPStrategy):
         local_updates: Optional[Union[LocalUpdates, int]] = None,
         fault_tolerance: Optional[FaultTolerance] = None,
         global_device: Optional[Union[str, torch.device]] = None,
+        telemetry: bool = False,
         **kwargs: Any,
     ) -> None:
+        self.telemetry = check_bool(telemetry, "telemetry")
         self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
         self.exchange_thread = None if exchange_thread is None else check_bool(exchange_thread, "exchange_thread")
         trainer_only = sorted(set(kwargs) & set(TRAINER_ONLY_OPTIONS))
@@ -114,8 +119,8 @@ class GradCompFabricStrategy(DDPStrategy):
                 f"GradCompFabricStrategy: {trainer_only} are options of the Trainer's GradCompStrategy only (the "
                 "hierarchical exchange, logging and the end-of-fit summary); with Fabric, print "
                 "fabric.strategy.summary() yourself. Allowed here: compressor, error_feedback, min_compress_numel, "
-                "seed, exchange_thread, timeout, local_updates, fault_tolerance, global_device and DistributedDataParallel's "
-                "arguments")
+                "seed, exchange_thread, timeout, local_updates, fault_tolerance, global_device, telemetry and "
+                "DistributedDataParallel's arguments")
         kwargs = check_ddp_kwargs(kwargs, "GradCompFabricStrategy")
         self.local_updates = check_local_updates(local_updates)
         if self.local_updates is not None:
@@ -205,6 +210,7 @@ class GradCompFabricStrategy(DDPStrategy):
             self.gradcomp = register(ddp, options.compressor, error_feedback=options.error_feedback,
                                      min_compress_numel=options.min_compress_numel, seed=options.seed,
                                      exchange_thread=self.exchange_thread)
+        self.gradcomp.hook_state.telemetry = self.telemetry
         if self._pending_entry is not None:
             entry, self._pending_entry = self._pending_entry, None
             self.gradcomp.load_state_dict(entry)

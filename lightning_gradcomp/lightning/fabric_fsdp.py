@@ -65,6 +65,7 @@ from lightning_gradcomp.lightning.options import (
     check_timeout,
     group_sampler_kwargs,
 )
+from lightning_gradcomp.lightning.step_figures import ReportsFigures
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
@@ -72,10 +73,10 @@ from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
 
 #: The Fabric strategy's own options beyond the Trainer's sharded strategy's.
-FABRIC_OPTIONS = ("parallelize_fn",)
+FABRIC_OPTIONS = ("parallelize_fn", "telemetry")
 
 
-class GradCompFabricFSDPStrategy(ModelParallelStrategy):
+class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
     """Fabric's FSDP2 inside each replica, the compressed exchange between replicas.
 
     Args:
@@ -86,6 +87,8 @@ class GradCompFabricFSDPStrategy(ModelParallelStrategy):
         parallelize_fn: ``fn(model, mesh) -> model`` that shards the model itself (``fully_shard(block,
             mesh=mesh["shard"])`` for its blocks, then the model), in place of ``auto_wrap_policy``. With
             neither, the model is sharded as one module (``fully_shard(model)``).
+        telemetry: also measure the compression error and the time spent compressing, in :meth:`metrics`
+            and the summary.
 
     One model at a time (``fabric.setup_module``; another after ``fabric.strategy.gradcomp.close()``); build
     its optimizers after it, on its sharded parameters. With ``local_updates`` the synchronisation runs inside ``optimizer.step()`` of the
@@ -112,9 +115,11 @@ class GradCompFabricFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+        telemetry: bool = False,
         **kwargs: Any,
     ) -> None:
         refuse_options(kwargs, "GradCompFabricFSDPStrategy", ALLOWED_OPTIONS + FABRIC_OPTIONS)
+        self.telemetry = check_bool(telemetry, "telemetry")
         self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
         self.local_updates = check_local_updates(local_updates)
         self.global_device = check_global_device_option(global_device, self.local_updates)
@@ -214,6 +219,7 @@ class GradCompFabricFSDPStrategy(ModelParallelStrategy):
             module, self.device_mesh, options.compressor, self.local_updates, self.fault_tolerance, self.global_device,
             error_feedback=options.error_feedback, min_compress_numel=options.min_compress_numel, seed=options.seed,
             timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
+        self.gradcomp.hook_state.telemetry = self.telemetry
         if self._pending_entry is not None:
             entry, self._pending_entry = self._pending_entry, None
             self.gradcomp.load_state_dict(entry)

@@ -78,3 +78,29 @@ def fault_tolerance_metrics(loop: Any) -> dict[str, float]:
     return {"gradcomp/ft_participants": float(figures.participants[-1] if figures.participants else 0),
             "gradcomp/ft_commits": float(figures.commits), "gradcomp/ft_rollbacks": float(figures.rollbacks),
             "gradcomp/ft_quorum_seconds": figures.quorum_seconds}
+
+
+class ReportsFigures:
+    """Mixin of the Fabric strategies (Fabric has no callbacks that log): :meth:`metrics` for
+    ``fabric.log_dict``. The host holds the exchange's handle in ``gradcomp``."""
+
+    gradcomp: Any
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's ``gradcomp/*`` figures of the latest step (bytes sent, dense bytes, ratio, density;
+        with ``telemetry=True`` the compression error and time), and under local updates, after a step that
+        merged a synchronisation, ``gradcomp/outer_grad_norm`` (and the quorums' figures under fault
+        tolerance): ``fabric.log_dict(fabric.strategy.metrics(), step=step)``. No communication: log them
+        from any rank."""
+        if self.gradcomp is None:
+            return {}
+        stats = self.gradcomp.step_stats
+        figures = stats.metrics()
+        if stats.grad_sq > 0:  # measured (telemetry): the names CompressionMonitor logs under the Trainer
+            figures.update({"gradcomp/step_error": stats.error_sq, "gradcomp/relative_error": stats.relative_error,
+                            "gradcomp/compress_ms": 1e3 * stats.compress_s})
+        loop = getattr(self.gradcomp, "loop", None)
+        if loop is not None and loop.synced:
+            figures.update(outer_loop_metrics(loop))
+        return figures
+

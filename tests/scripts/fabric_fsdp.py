@@ -90,7 +90,7 @@ def main() -> None:
     if ours:  # one line: the strategy builds the mesh, shards, registers, binds, and saves the exchange state
         strategy = lightning_gradcomp.GradCompFabricFSDPStrategy(
             parallelize_fn=shard, shard_size=world // REPLICAS, compressor=args.compressor, min_compress_numel=256,
-            local_updates=local)
+            local_updates=local, telemetry=True)
     else:
         strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=world, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
@@ -111,6 +111,8 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             steps.append({"loss": loss.item()})
+            if ours:
+                steps[-1]["metrics"] = fabric.strategy.metrics()  # what fabric.log_dict would log
             if gradcomp is not None:
                 stats = gradcomp.step_stats
                 steps[-1].update(bytes_sent=stats.bytes_sent, bytes_dense=stats.bytes_dense)
