@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import Any, Mapping, Optional
 
 import torch
@@ -75,6 +76,25 @@ def check_agreement(settings: Mapping[str, str], group: Optional[dist.ProcessGro
     raise SettingsMismatch(describe_mismatch(gathered, caller))
 
 
+def model_layout(model: torch.nn.Module) -> dict[str, str]:
+    """A model's trainable parameters as settings to agree on: their number and elements (what the message
+    shows first) and every name and shape."""
+    named = [(name, tuple(parameter.shape)) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    elements = sum(math.prod(shape) for _, shape in named)
+    return {"model": f"{len(named)} trainable parameters, {elements:,} elements",
+            "parameter shapes": ";".join(f"{name}{shape}" for name, shape in named)}
+
+
+#: what to do about a setting that differs, where it is not "pass the same value" (shown after its values)
+SETTING_ADVICE = {
+    "entry point": "call the same entry point on every rank",
+    "FSDP modules": "apply fully_shard to the same modules on every rank",
+    "shard layout": "shard the same model over the same mesh on every rank",
+    "model": "build the same model on every rank",
+    "parameter shapes": "build the same model on every rank",
+}
+
+
 def describe_mismatch(per_rank: list[Mapping[str, str]], caller: str) -> str:
     """The message of :class:`SettingsMismatch`: each setting whose values differ, with the ranks holding each
     value (ranks of the exchange's group)."""
@@ -86,7 +106,8 @@ def describe_mismatch(per_rank: list[Mapping[str, str]], caller: str) -> str:
             holders.setdefault(settings.get(name, "(not set)"), []).append(rank)
         if len(holders) > 1:
             values = "; ".join(f"{_shown(value)} on {_ranks(ranks)}" for value, ranks in holders.items())
-            lines.append(f"`{name}`: {values}")
+            advice = f" ({SETTING_ADVICE[name]})" if name in SETTING_ADVICE else ""
+            lines.append(f"`{name}`: {values}{advice}")
     return (f"gradcomp: {caller}: the ranks of this exchange were given different settings, which would abort, hang "
             f"or mix their collectives: {' | '.join(lines)}. Every rank must pass the same settings (build them from "
             "the same configuration on every rank; a value derived from the rank, a host name or a random draw "

@@ -236,6 +236,11 @@ class GradientHandle(ExchangeHandle):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"`optimizer` must be a torch.optim.Optimizer (the one that steps this model), got "
                              f"{type(optimizer).__name__}")
+        model = self._watch.model if self._watch is not None else None
+        if model is not None and not steps_the_model(optimizer, model):
+            raise ValueError(f"bind(): this {type(optimizer).__name__} steps none of the registered model's parameters "
+                             "(an optimizer of another model, or built before fully_shard replaced them); bind the "
+                             "one that steps this model: `torch.optim.SGD(model.parameters(), ...)` after sharding")
         self.hook_state.compressor.check_optimizer(optimizer, names=self.param_names)
         self._bound.add(optimizer)
 
@@ -331,6 +336,11 @@ class OptimizerWatch:
             if scaler is not None:
                 self.scaler_warned = True
                 _warn_grad_scaler(scaler, handle)
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]:
+        """The registered model, while it lives."""
+        return self._model()
 
     def remove(self) -> None:
         self._removable.remove()

@@ -123,7 +123,11 @@ class ExchangeSession:
         self.streams = ExchangeStreams()
         self.thread: Optional[ExchangeThread] = None
         self._thread_driver: Optional[TorchDriver] = None
-        check_agreement({"compressor": repr(options.compressor), "error_feedback": str(self.error_feedback),
+        #: the group the ranks agree over (the exchange's group at construction; torchft's, swapped in later by
+        #: :meth:`use_driver`, is not a torch.distributed group)
+        self._agreement_group = group
+        check_agreement({"entry point": caller, "compressor": repr(options.compressor),
+                         "error_feedback": str(self.error_feedback),
                          "min_compress_numel": str(options.min_compress_numel), "seed": str(options.seed),
                          "exchange_thread": str(self._may_use_thread(device)), **(settings or {})},
                         group, caller=caller)
@@ -188,8 +192,14 @@ class ExchangeSession:
         return self.driver.group
 
     def use_compressor(self, compressor: Optional[Compressor]) -> None:
-        """Switch compressor between steps (``None``: send uncompressed); memory and state are kept."""
-        self.pipeline.compressor = compressor if compressor is not None else NoCompression()
+        """Switch compressor between steps (``None``: send uncompressed); memory and state are kept. The
+        ranks of the exchange agree on the new one first (a switch on some ranks only would mix payload
+        sizes): every rank switches at the same point, or every rank raises
+        :class:`~lightning_gradcomp.exchange.agreement.SettingsMismatch` (a rank that never switches:
+        :class:`~lightning_gradcomp.exchange.waits.WaitTimeout`)."""
+        compressor = compressor if compressor is not None else NoCompression()
+        check_agreement({"compressor": repr(compressor)}, self._agreement_group, caller="use_compressor()")
+        self.pipeline.compressor = compressor
 
     # ------------------------------------------------------------------ accounting
     @property

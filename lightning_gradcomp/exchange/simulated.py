@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import InProcessDriver
@@ -44,7 +45,7 @@ class SimulatedExchange:
                  min_compress_numel: int = 1024, seed: int = 0, local_size: int = 1) -> None:
         feedback = resolve_error_feedback(compressor, error_feedback)
         self.compressor = compressor
-        self.workers = workers
+        self.workers = check_int(workers, "workers", 1)
         self.local_size = local_size
         self.layout = "flat" if local_size == 1 else f"nodes={workers},local={local_size},simulated"
         self.error_feedback = feedback

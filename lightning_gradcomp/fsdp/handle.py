@@ -155,7 +155,8 @@ def register_fsdp(
     hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
                                  min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
                                  exchange_thread=False, device=device, caller="register_fsdp()",
-                                 settings={"shard layout": shard_layout(model)})
+                                 settings={"shard layout": shard_layout(model),
+                                           "FSDP modules": fsdp_module_layout(layouts)})
     hook_state.telemetry = check_bool(telemetry, "telemetry")
     # residuals and state fit this mesh's shards only: a resume on another split drops them, saying so
     hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
@@ -208,3 +209,12 @@ def _compiled_autograd_active() -> bool:
         return False
     flag = getattr(compiled_autograd, "in_compiled_autograd_region", False)  # a module-level flag in torch 2.14
     return bool(flag() if callable(flag) else flag)
+
+
+def fsdp_module_layout(layouts: list[GroupLayout]) -> str:
+    """Which FSDP module reduces which parameters, as text: each module's reduce-scatter is one exchange, so
+    the ranks of one shard index must wrap the model alike (a shard layout alone does not show it on a
+    replicate x 1 mesh, where every shard is the whole parameter)."""
+    return "; ".join(f"{layout.module or '<root>'}: {', '.join(slot.name for slot in layout.slots)}"
+                     for layout in layouts)
+

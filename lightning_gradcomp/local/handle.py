@@ -43,6 +43,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
+from lightning_gradcomp.exchange.agreement import check_agreement, model_layout
 from lightning_gradcomp.exchange.handle import ExchangeHandle
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.local.config import LocalUpdates
@@ -262,6 +263,9 @@ def replicated_local_updates(
         return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
                                min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
                                group=group, global_device=global_device)
+    # the ranks agree on the model before the broadcast that makes them equal (a rank that never comes is
+    # named within GRADCOMP_WAIT_TIMEOUT; differently shaped models would broadcast silently on gloo)
+    check_agreement({"entry point": "local_updates()", **model_layout(model)}, group, caller="local_updates()")
     broadcast_from_first_rank(model, group)
     handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
                     min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True,
