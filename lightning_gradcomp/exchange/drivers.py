@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from lightning_gradcomp.core.device import on_stream
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Collective, CollectiveRound
-from lightning_gradcomp.exchange.waits import Arrival
+from lightning_gradcomp.exchange.waits import Arrival, WaitTimeout
 from lightning_gradcomp.metrics.stats import collective_bytes_sent
 
 
@@ -173,7 +173,12 @@ class TorchDriver(_ByteCounter):
         ``GRADCOMP_WAIT_TIMEOUT`` seconds (:class:`~lightning_gradcomp.exchange.waits.WaitTimeout`)."""
         issued = self._issue(Collective("all_gather", tensor))
         if arrival is not None:
-            arrival.wait(issued[3])
+            try:
+                arrival.wait(issued[3])
+            except WaitTimeout:
+                raise
+            except Exception as error:  # a peer died: as any other collective's failure
+                raise self._failure(issued[2], error) from error
         return self._wait(*issued)
 
     def _issue(self, collective: Collective) -> tuple[Future, Tensor, Collective, Optional[dist.Work]]:
@@ -205,11 +210,13 @@ class TorchDriver(_ByteCounter):
             if work is not None and self._releases_on_wait:
                 work.wait()
         except Exception as error:
-            raise CollectiveError(
-                f"gradcomp: {collective.kind} of {collective.nbytes} bytes failed on rank {self.rank} of "
-                f"{self.world_size}: {error}"
-            ) from error
+            raise self._failure(collective, error) from error
         return result
+
+    def _failure(self, collective: Collective, error: BaseException) -> CollectiveError:
+        """The error that ``collective`` failed with ``error`` (a peer died, or its connection broke)."""
+        return CollectiveError(f"gradcomp: {collective.kind} of {collective.nbytes} bytes failed on rank {self.rank} of "
+                               f"{self.world_size}: {error}")
 
 
 class ReconfigurableDriver(TorchDriver):
