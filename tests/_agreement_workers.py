@@ -151,65 +151,6 @@ def check_a_second_exchange_on_one_model_is_refused(rank: int, world_size: int) 
     lightning_gradcomp.register(nn.parallel.DistributedDataParallel(model), "topk").close()
 
 
-# ---------------------------------------------------------------------- bounded waits
-#: rank 1 stays alive (it never reaches the call) this long past rank 0's bound
-_BOUND_S = 1.0
-
-
-def _expect_timeout(call: Callable[[], Any], *phrases: str) -> None:
-    """``call`` on rank 0 raises WaitTimeout within the bound, with each phrase in the message."""
-    import os
-    import time
-
-    from lightning_gradcomp.exchange.waits import WaitTimeout
-
-    os.environ["GRADCOMP_WAIT_TIMEOUT"] = str(_BOUND_S)
-    start = time.monotonic()
-    try:
-        call()
-    except WaitTimeout as error:
-        message = str(error)
-        assert all(phrase in message for phrase in phrases), message
-        assert time.monotonic() - start < _BOUND_S + 5
-        return
-    raise AssertionError("no WaitTimeout")
-
-
-def _stay(seconds: float = _BOUND_S + 1.0) -> None:
-    import time
-    time.sleep(seconds)
-
-
-def check_a_rank_that_never_registers_is_named(rank: int, world_size: int) -> None:
-    ddp = nn.parallel.DistributedDataParallel(_model())  # a collective of its own: both ranks build it
-    if rank == 0:
-        _expect_timeout(lambda: lightning_gradcomp.register(ddp, "topk"), "register() on rank 0 waited 1 s for every rank's settings",
-                        "rank 1 never reached it", "GRADCOMP_WAIT_TIMEOUT")
-    else:
-        _stay()
-
-
-def check_a_summary_on_one_rank_is_named(rank: int, world_size: int) -> None:
-    handle = _ddp("topk")
-    if rank == 0:
-        _expect_timeout(handle.summary, "summary() on rank 0", "rank 1 never reached it",
-                        "`text = handle.summary()`")
-    else:
-        _stay()
-
-
-def check_a_sync_on_one_rank_is_named(rank: int, world_size: int) -> None:
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    handle = lightning_gradcomp.local_updates(model, optimizer, 4, "none")
-    model(torch.ones(2, 32)).sum().backward()
-    optimizer.step()
-    if rank == 0:
-        _expect_timeout(handle.sync, "local updates' sync() on rank 0", "rank 1 never reached it")
-    else:
-        _stay()
-
-
 # ---------------------------------------------------------------------- FSDP2's pitfalls
 def _raises(call: Callable[[], Any], *phrases: str) -> None:
     try:

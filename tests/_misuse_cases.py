@@ -1430,8 +1430,20 @@ def _absent(rank: int, world: int, call: Callable[[], Any]) -> str:
     return ""
 
 
-def _waited(call: str) -> tuple[str, ...]:
-    return (rf"{call}", r"rank 0", rf"{WAIT}(\.0)? ?s|{WAIT} seconds", r"every rank|all ranks|other ranks?")
+def _waited(call: str, absent: int = 1) -> tuple[str, ...]:
+    """The phrases of a bounded wait's message: the call, the waiting rank, the bound, the absent rank."""
+    return (rf"{call}", rf"rank {1 - absent}", rf"{WAIT}(\.0)? ?s|{WAIT} seconds", r"every rank|all ranks|other ranks?",
+            rf"rank {absent} never reached it")
+
+
+@refused("2 ranks: summary() on rank 0 only", "register", *_waited(r"summary\(\)"), r"rank 1 never reached it",
+         r"text = handle.summary\(\)", world=2, refusing=(0,), isolated=True, env=WAIT_ENV, timeout=WAIT + 10,
+         requires=(REGISTER,))
+def _(rank: int, world: int) -> str:
+    ddp = _ddp()
+    handle = lg().register(ddp, "topk")
+    _train(ddp.module, _sgd(ddp), 1, rank, call=ddp)
+    return _absent(rank, world, handle.summary)  # the natural `if rank == 0: print(handle.summary())`
 
 
 @refused("2 ranks: one never calls register", "register", *_waited(r"register\(\)"), world=2, refusing=(0,),
@@ -1454,8 +1466,8 @@ def _(rank: int, world: int) -> str:
     return _absent(rank, world, lambda: lg().register_fsdp(model, mesh, "topk"))
 
 
-@refused("2 ranks: sync() alone, the other rank done", "local_updates", *_waited(r"sync\(\)")[:1], r"rank 1",
-         rf"{WAIT}(\.0)? ?s|{WAIT} seconds", r"every rank|all ranks|other ranks?", world=2, refusing=(1,),
+@refused("2 ranks: sync() alone, the other rank done", "local_updates", *_waited(r"sync\(\)", absent=0), world=2,
+         refusing=(1,),
          isolated=True, env=WAIT_ENV, timeout=WAIT + 10, requires=(LOCAL,))
 def _(rank: int, world: int) -> str:
     model = _mlp()

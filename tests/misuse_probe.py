@@ -18,8 +18,10 @@ Classes (one per case):
 How the cases run: a *hub* process that has imported torch, Lightning, the package and the cases, and has
 computed nothing, forks every case's processes (``world`` of them, joined by a gloo group; single-process
 cases get a group of one). Cases that cannot block one another share a job and run in turn, each on
-fresh models (the ranks of a multi-process job meet on a TCP store between cases, outside the process
-group); a case that may hang or leave collectives pending (``isolated``) gets a job of its own. A job that
+fresh models (the ranks of a multi-process job meet on a TCP store the hub hosts, between cases, outside the
+process group); a case that may hang or leave collectives pending (``isolated``) gets a job of its own, where
+a rank whose case raised exits at once, as a script dying of the error would (the others' collectives with
+it then fail instead of waiting for a process that would be gone). A job that
 stops making progress past its current case's timeout, or whose process dies, is killed; that case is
 classified ``hang`` or ``abort`` and the job's remaining cases run again in a new job. Under pytest the hub
 is started from the suite's fork server (tests/_processes.py); from the command line this process is the
