@@ -191,6 +191,26 @@ def check_the_global_model_and_the_final_sync(rank: int, world_size: int) -> Non
         if seen is not None:
             assert torch.equal(views[0][name], seen[name]), name
 
+    # the evaluation rule: a forward pass in eval mode without gradients sees θ_global (what LitGPT's and
+    # nanoGPT's validate() do), any other pass the replica again (eval mode with gradients is training)
+    x, _ = batch(0, rank)
+    model.eval()  # (its BatchNorm then normalises by the running statistics)
+    with torch.no_grad(), handle.global_weights():
+        on_global = model(x)
+    on_replica = model(x).detach()  # gradients on: training in eval mode, on the replica
+    assert not torch.equal(on_global, on_replica)
+    with torch.no_grad():
+        assert torch.equal(model(x), on_global), "an evaluation sees θ_global"
+        assert torch.equal(model(x), on_global), "for the whole evaluation"
+    model.train()
+    with torch.no_grad():
+        model(x)  # a forward pass in train mode (it updates BatchNorm's statistics): the replica again
+    for name, value in model.named_parameters():
+        assert torch.equal(value, replica[name]), f"the replica is back after the evaluation: {name}"
+    model.eval()
+    with torch.no_grad():
+        model(x)  # evaluating when the window ends: sync() takes the replica's steps, not θ_global
+
     assert handle.sync() is True and handle.loop.outer.syncs == STEPS // SYNC_EVERY + 1
     final = [None] * world_size
     dist.all_gather_object(final, {name: value.clone() for name, value in model.state_dict().items()})

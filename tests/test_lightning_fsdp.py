@@ -196,6 +196,7 @@ def test_fabric_local_updates_on_shards_end_on_theta_global_and_resume_mid_windo
         assert rank["resumed_from"] == 12
         assert all(torch.equal(rank["shards"][name], rank["resumed_shards"][name]) for name in rank["shards"])
         assert [step for step, s in enumerate(rank["steps"], 1) if s["synced"]] == [5, 10, 15, 20]
+        assert rank["steps"][11]["evaluation_saw_global"], "model.eval() under no_grad shows θ_global (on the shards)"
     assert _replicas_equal(ranks) and _replicas_equal(ranks, "resumed_shards"), "every rank ends on θ_global"
     first = sum(_mean_loss(rank["steps"], slice(0, 6)) for rank in ranks) / WORLD
     last = sum(_mean_loss(rank["steps"], slice(-6, None)) for rank in ranks) / WORLD

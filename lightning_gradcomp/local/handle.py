@@ -76,6 +76,16 @@ class LocalUpdateHandle(ExchangeHandle):
         #: :func:`local_updates`): refused (the model must not be driven through DDP), or, for a fault-tolerant
         #: group of several processes, required (:attr:`wrapper_check`)
         self.wrapper_check: Optional[Callable[[torch.nn.Module], None]] = refuse_gradient_all_reduce if refuse_ddp else None
+        #: evaluation sees θ_global: before each forward pass of the model, :meth:`LocalUpdateLoop.follow_forward`
+        # (prepended: before FSDP2's own pre-hook gathers the root's parameters)
+        self._evaluation_hook = loop.module.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        """A forward pass of the model (not of a copy, which carries the hook too): in eval mode without
+        gradients it evaluates, and sees θ_global; otherwise the replica (nothing happens inside a compiled
+        graph, where the replica stays)."""
+        if module is self.loop.module and not torch.compiler.is_compiling():
+            self.loop.follow_forward(not module.training and not torch.is_grad_enabled())
 
     @property
     def optimizer_steps(self) -> int:
@@ -143,6 +153,8 @@ class LocalUpdateHandle(ExchangeHandle):
         """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
         self._stop_counting_optimizer_steps()
         self.loop.forget_first_use()
+        self._evaluation_hook.remove()
+        self.loop._leave_evaluation()
         super().close()
 
     def _optimizer_steps(self) -> Optional[int]:

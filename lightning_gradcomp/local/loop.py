@@ -15,7 +15,7 @@ inner steps run, and is merged after them. Nothing is communicated in between.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -172,6 +172,7 @@ class ScheduledSyncs:
         The end-of-training rule: the strategies call it when ``fit`` ends, so a partial window's inner
         steps are not lost and every rank ends with the same weights, ``θ_global``. The schedule goes on
         from the step counter: a later window after a :meth:`sync` is shorter."""
+        self._leave_evaluation()  # an evaluation that ended: the replica takes part
         self._refuse_inside_the_view("sync()")
         self._settle_fragments()
         self.synced = False
@@ -224,9 +225,33 @@ class ScheduledSyncs:
             yield
 
     def _refuse_inside_the_view(self, what: str) -> None:
+        if self._view is not None and self._evaluation_view is not None:
+            raise RuntimeError(f"gradcomp: {what} while the model shows θ_global for evaluation (its last forward "
+                               "pass ran in eval mode without gradients); run a training forward pass (model.train(), "
+                               "gradients on) before stepping")
         if self._view is not None:
             raise RuntimeError(f"gradcomp: {what} inside global_weights(), where the model holds θ_global for "
                                "evaluation and saving; train and synchronise outside it")
+
+    #: θ_global shown because the model is being evaluated (:meth:`follow_forward`), ``None`` otherwise
+    _evaluation_view: Optional[ExitStack] = None
+
+    def follow_forward(self, evaluating: bool) -> None:
+        """The evaluation rule of the plain and Fabric loops, called before each forward pass of the model: a
+        pass in eval mode without gradients (``model.eval()`` under ``torch.no_grad()`` or inference mode:
+        an evaluation) sees ``θ_global``, the model that synchronisation keeps and training ends with; any
+        other pass sees the replica again. (The Trainer shows θ_global during its validation itself.)"""
+        if evaluating and self._view is None:
+            stack = ExitStack()
+            stack.enter_context(self.global_weights())
+            self._evaluation_view = stack
+        elif not evaluating and self._evaluation_view is not None:
+            self._leave_evaluation()
+
+    def _leave_evaluation(self) -> None:
+        view, self._evaluation_view = self._evaluation_view, None
+        if view is not None:
+            view.close()
 
     def adopt_global(self) -> None:
         """Every worker's parameters and floating-point buffers set to ``θ_global``'s (no communication)."""

@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, local_shard, shard_layout
+from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, local_shard, shard_layout, sharded_modules
 from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, world_collective_device
@@ -61,6 +61,26 @@ from lightning_gradcomp.local.outer import cpu_copy
 
 #: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
 LOCAL_SHARD_KEY = "local_shard"
+
+
+class ShownOnShards(CopiedIn):
+    """:class:`~lightning_gradcomp.local.global_model.CopiedIn` on FSDP2's shards, the FSDP modules resharded
+    after the values are copied in and after they are restored: a module keeps its all-gathered (unsharded)
+    parameters between forward passes where it does not reshard after forward (the root, by default, and any
+    forward pass without a backward), and the next pass would use those instead of what the shards hold."""
+
+    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]], modules: Sequence[Any]) -> None:
+        self.modules = list(modules)
+        super().__init__(tensors, values)
+        self._reshard()
+
+    def restore(self) -> None:
+        super().restore()
+        self._reshard()
+
+    def _reshard(self) -> None:
+        for module in self.modules:
+            module.reshard()
 
 
 class ShardedLocalUpdateLoop(LocalUpdateLoop):
@@ -95,7 +115,7 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
         return [local_shard(p) for p in self._parameters]
 
     def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> CopiedIn:
-        return CopiedIn(tensors, values)
+        return ShownOnShards(tensors, values, sharded_modules(self.module))
 
     def state_dict(self, optimizers: Sequence[Optimizer] = ()) -> dict[str, Any]:
         """The replicated loop's entry, each inner optimizer's state as its local shards."""

@@ -120,6 +120,14 @@ def main() -> None:
                     steps[-1]["synced"] = gradcomp.loop.synced  # this step ended a window
             if save and step + 1 == args.save_at and ours:  # the strategy adds the exchange state itself
                 fabric.save(path, {"model": model, "optimizer": optimizer, "step": step + 1})
+                if local is not None:  # an evaluation mid-window sees θ_global (model.eval(), no gradients)
+                    model.eval()
+                    with torch.no_grad():
+                        evaluated = model(x)
+                        with gradcomp.global_weights():
+                            on_global = model(x)
+                    model.train()
+                    steps[-1]["evaluation_saw_global"] = bool(torch.equal(evaluated, on_global))
             elif save and step + 1 == args.save_at:
                 entry = gradcomp.state_dict()  # every rank: a collective
                 state = {"model": model, "optimizer": optimizer, "gradcomp": entry, "step": step + 1}
