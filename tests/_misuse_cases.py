@@ -1485,6 +1485,56 @@ def _(rank: int, world: int) -> str:
     return ""
 
 
+# ------------------------------------------------------------------ found by a second, unseen trial (session 20)
+@refused("summary(network) given as text", "summary", r"`network`", r"Network\(bandwidth_gbps=", requires=(REGISTER,))
+def _() -> None:
+    lg().register(_ddp(), "topk").summary("10gbit")
+
+
+@refused("load_state_dict of a whole checkpoint", "register", r"not a compression-state entry",
+         r"checkpoint\['gradcomp'\]", requires=(REGISTER,))
+def _() -> None:
+    lg().register(_ddp(), "topk").load_state_dict({"model": {}, "optimizer": {}, "epoch": 3})
+
+
+@refused("FaultTolerance replica_id an int", "fault tolerance", r"`FaultTolerance.replica_id`", r"str", requires=(FT,))
+def _() -> None:
+    lg().FaultTolerance(lighthouse="http://127.0.0.1:1", replica_id=7)
+
+
+@refused("FaultTolerance timeout infinite", "fault tolerance", r"`FaultTolerance.timeout`", r"finite",
+         requires=(FT,))
+def _() -> None:
+    lg().FaultTolerance(lighthouse="http://127.0.0.1:1", timeout=float("inf"))
+
+
+@refused("local_updates step() after close()", "local_updates", r"step\(\) after close\(\)", r"before close\(\)",
+         requires=(LOCAL,))
+def _() -> None:
+    handle = _local(None, 4)
+    handle.close()
+    handle.step()
+
+
+@refused("local_updates step() where a strategy counts the steps", "local_updates", r"step\(\)",
+         r"count each iteration twice|leave it out", requires=(LOCAL,))
+def _() -> None:
+    handle = _local(None, 4)
+    handle.counted_by_strategy = "GradCompFabricStrategy(local_updates=...)"  # as the Fabric strategies set it
+    handle.step()
+
+
+@refused("2 ranks: load_state_dict on rank 0 only", "register", *_waited(r"load_state_dict\(\)"), world=2,
+         refusing=(0,), isolated=True, env=WAIT_ENV, timeout=WAIT + 10, requires=(REGISTER,))
+def _(rank: int, world: int) -> str:
+    ddp = _ddp()
+    handle = lg().register(ddp, "randomk", min_compress_numel=0)
+    _train(ddp.module, _sgd(ddp), 2, rank, call=ddp)
+    entry = [handle.state_dict()]
+    dist.broadcast_object_list(entry)
+    return _absent(rank, world, lambda: handle.load_state_dict(entry[0]))  # `if rank == 0: handle.load_state_dict(...)`
+
+
 # ---------------------------------------------------------------------------------------------- 2 x 2
 
 

@@ -10,6 +10,7 @@ module, and the tests of both callers.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -84,6 +85,10 @@ def check_mesh(mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
             f"(nodes, gpus_per_node), mesh_dim_names={MESH_DIMS})), got {mesh.ndim}-D with names "
             f"{mesh.mesh_dim_names}; a 1-D mesh has no replicas to compress between (use FSDP alone, or "
             "register() with DDP)")
+    if mesh["replicate"].size() == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn("gradcomp: the mesh has one replica (mesh['replicate'] of size 1): nothing crosses between "
+                      "replicas, so compression only adds error; give it several replicas (the sharded strategies: "
+                      "shard_size= a divisor of the world size below it)", UserWarning, stacklevel=3)
     return mesh["shard"].get_group(), mesh["replicate"].get_group()
 
 

@@ -158,6 +158,10 @@ def mean_totals(ranks: list[dict[str, Any]]) -> StepStats:
 def check_format(saved: dict[str, Any]) -> None:
     """Refuse, with the reason, an entry this version cannot read (all versions so far write format 1)."""
     version = saved.get("version")
+    if version is None and "ranks" not in saved:
+        raise ValueError(f"gradcomp: this is not a compression-state entry (its keys: {', '.join(map(str, saved))[:200]}); "
+                         "load the entry that state_dict() returned, saved in your checkpoint, e.g. "
+                         "handle.load_state_dict(checkpoint['gradcomp'])")
     if version != VERSION:
         raise ValueError(
             f"gradcomp: the checkpoint's compression state has format {version!r}; this version of "

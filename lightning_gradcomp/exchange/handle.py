@@ -26,6 +26,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     gather_entry,
     restore_entry,
 )
+from lightning_gradcomp.exchange.agreement import check_agreement
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.metrics.netmodel import Network
@@ -107,6 +108,9 @@ class ExchangeHandle:
     def summary(self, network: Optional[Network] = None) -> str:
         """The end-of-training table (averaged over ranks; every rank must call it), the last step
         included. With ``network``, the estimated communication time of the run next to dense DDP's."""
+        if network is not None and not isinstance(network, Network):
+            raise ValueError(f"`network` must be None or a lightning_gradcomp.Network, e.g. "
+                             f"Network(bandwidth_gbps=10, latency_us=50), got {network!r}")
         self.hook_state.flush()
         group = self._summary_group()
 
@@ -183,6 +187,15 @@ class ExchangeHandle:
         rank = dist.get_rank(self.hook_state.driver.group)
         restore_entry(state, self.hook_state, workers, self.compressor,
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+        self._agree_on_the_restore()
+
+    def _agree_on_the_restore(self, position: str = "") -> None:
+        """After :meth:`load_state_dict`: every rank of the exchange restored the same position (a collective,
+        bounded). A load on some ranks only (``if rank == 0: handle.load_state_dict(...)``) would leave their
+        step counters apart: Random-k's shared indices, drawn from the step, would then sum values at
+        different coordinates, and local updates would pair different synchronisations."""
+        check_agreement({"restored step": f"{self.hook_state.step}{position}"}, self.hook_state._agreement_group,
+                        caller="load_state_dict()")
 
     def close(self) -> None:
         """Stop the exchange thread, if one runs; the model may then take another exchange."""

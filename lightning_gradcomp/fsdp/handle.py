@@ -102,6 +102,7 @@ class FSDPHandle(GradientHandle):
         rank = dist.get_rank()
         restore_entry(state, self.hook_state, dist.get_world_size(), self.compressor,
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+        self._agree_on_the_restore()
 
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
         """Every rank: each holds the figures of its own shard."""

@@ -211,6 +211,8 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
                                      min_compress_numel=options.min_compress_numel, seed=options.seed,
                                      exchange_thread=self.exchange_thread)
         self.gradcomp.hook_state.telemetry = self.telemetry
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            self.gradcomp.counted_by_strategy = "GradCompFabricStrategy(local_updates=...)"
         if self._pending_entry is not None:
             entry, self._pending_entry = self._pending_entry, None
             self.gradcomp.load_state_dict(entry)
@@ -259,7 +261,7 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
         """The inner step; with local updates every ``H``-th one is followed by the outer synchronisation."""
         output = super().optimizer_step(optimizer, **kwargs)
         if isinstance(self.gradcomp, LocalUpdateHandle):
-            self.gradcomp.step()
+            self.gradcomp.step_for_the_strategy()
         return output
 
     @override

@@ -55,6 +55,7 @@ from lightning_gradcomp.lightning.sharding import (
     refuse_options,
     replica_mesh,
     shard_by_policy,
+    UNREADABLE_CHECKPOINT,
 )
 from lightning_gradcomp.lightning.options import (
     check_clipping_after_signs,
@@ -220,6 +221,8 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
             error_feedback=options.error_feedback, min_compress_numel=options.min_compress_numel, seed=options.seed,
             timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
         self.gradcomp.hook_state.telemetry = self.telemetry
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            self.gradcomp.counted_by_strategy = "GradCompFabricFSDPStrategy(local_updates=...)"
         if self._pending_entry is not None:
             entry, self._pending_entry = self._pending_entry, None
             self.gradcomp.load_state_dict(entry)
@@ -256,7 +259,7 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         if isinstance(self.gradcomp, LocalUpdateHandle) and self.gradcomp.optimizers and \
                 optimizer in (self.gradcomp.optimizers[0], getattr(self.gradcomp.optimizers[0], "optimizer", None)):
-            self.gradcomp.step()
+            self.gradcomp.step_for_the_strategy()
         return output
 
     @override
@@ -298,7 +301,10 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's load; with a ``state`` dict the exchange state is restored too (now, or when the model is
         set up) and left out of the returned remainder."""
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        try:
+            remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        except IndexError as error:
+            raise RuntimeError(UNREADABLE_CHECKPOINT.format(path=path)) from error
         if isinstance(state, dict) and state:
             entry = remainder.pop(CHECKPOINT_KEY, None)
             if entry is not None and self.gradcomp is not None:

@@ -56,6 +56,7 @@ from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_
     refuse_options,
     replica_mesh,
     shard_by_policy,
+    UNREADABLE_CHECKPOINT,
 )
 from lightning_gradcomp.lightning.options import (
     check_fault_tolerance,
@@ -396,7 +397,10 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         """Lightning's load (the model's and optimizers' shards; after ``setup``), then this rank's exchange
         state from ``"gradcomp"`` when fitting. Another world size or compressor keeps only the counters,
         with a warning."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except IndexError as error:
+            raise RuntimeError(UNREADABLE_CHECKPOINT.format(path=checkpoint_path)) from error
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is not None and self.gradcomp is not None:
             self.gradcomp.load_state_dict(entry)

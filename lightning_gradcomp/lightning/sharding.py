@@ -6,11 +6,9 @@ module they both import must be complete before that happens)."""
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_gradcomp.compressors.base import Compressor
@@ -55,7 +53,7 @@ def replica_mesh(strategy: str, world_size: int, num_processes: int, shard_size:
                  fault_tolerant: bool, device_type: str) -> Any:
     """The ``("replicate", "shard")`` mesh of a sharded strategy: ``shard_size`` processes per replica (``None``:
     the processes per node); under fault tolerance this job is one replica group, sharded over all its
-    processes (torchft joins the groups). Warns when one replica leaves nothing to compress."""
+    processes (torchft joins the groups)."""
     if fault_tolerant:
         if shard_size not in (None, world_size):
             raise ValueError(f"{strategy}(fault_tolerance=...): this job is one replica group, its {world_size} "
@@ -66,11 +64,7 @@ def replica_mesh(strategy: str, world_size: int, num_processes: int, shard_size:
     else:
         by_default = shard_size is None
         shard_size = shard_size or num_processes
-    replicas = check_world_divides(world_size, shard_size, by_default, strategy)
-    if replicas == 1 and not fault_tolerant:
-        _warn_on_rank_zero(f"{strategy}: one replica of {shard_size} processes: nothing crosses between replicas, so "
-                       "compression only adds error; set shard_size= to a divisor of the world size "
-                       f"({world_size}) below it to have several replicas")
+    replicas = check_world_divides(world_size, shard_size, by_default, strategy)  # one replica: check_mesh warns
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
@@ -189,6 +183,11 @@ def refuse_fsdp1(model: nn.Module) -> None:
                          "mesh=self.device_mesh['shard']) in configure_model instead")
 
 
-def _warn_on_rank_zero(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        warnings.warn(message, UserWarning, stacklevel=3)
+#: why Lightning's ModelParallelStrategy may fail to read a checkpoint with an IndexError, and what to do
+UNREADABLE_CHECKPOINT = (
+    "gradcomp: Lightning's ModelParallelStrategy could not read the optimizer state of {path} (IndexError while "
+    "re-keying it). Lightning 2.6 fails so on an optimizer that keeps no state (SGD without momentum) in a "
+    "single-file checkpoint (save_distributed_checkpoint=False), and on a checkpoint a non-sharded strategy "
+    "wrote (DDP's, gradcomp's): save with save_distributed_checkpoint=True (the default), and resume a "
+    "sharded run from a sharded strategy's checkpoint")
+

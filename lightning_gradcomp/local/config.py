@@ -34,7 +34,9 @@ happen within that window of ``H`` steps.
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
@@ -223,3 +225,23 @@ def check_local_updates(value: object) -> Optional[LocalUpdates]:
         return LocalUpdates(sync_every=value)
     raise ValueError(f"`local_updates` must be None (synchronise every step), a LocalUpdates(...) or an int H "
                      f"(synchronise every H optimizer steps); got {value!r}")
+
+
+def warn_compounding_momentum(compressor: object, config: LocalUpdates) -> None:
+    """Warn when the compressor keeps a momentum of its own (its ``check_optimizer`` refuses an optimizer with
+    one: DGC, DeMo, Signum) and the outer optimizer adds another (DiLoCo's Nesterov momentum, the default): the
+    two compound on the outer gradients. (Checked on a copy of the compressor: checking binds DeMo.)"""
+    try:
+        probe = config.make_outer_optimizer([torch.zeros(1, requires_grad=True)])
+    except Exception:  # noqa: BLE001 - a factory that needs the real parameters: nothing to compare
+        return
+    try:
+        copy.deepcopy(compressor).check_optimizer(probe)
+    except ValueError as conflict:
+        warnings.warn(
+            f"gradcomp: local updates with {compressor!r} and the outer optimizer "
+            f"{describe_optimizer_factory(config.outer_optimizer)}: {conflict}. Under local updates this is the "
+            "outer optimizer: the compressor's momentum and the outer one compound on the outer gradients. "
+            "SparseLoCo's and DeMo's authors use plain outer SGD: outer_optimizer=functools.partial("
+            "torch.optim.SGD, lr=1.0)", UserWarning, stacklevel=3)
+

@@ -83,8 +83,11 @@ class FaultTolerance:
     def __post_init__(self) -> None:
         for name in ("timeout", "quorum_timeout", "connect_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`FaultTolerance.{name}` must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"`FaultTolerance.{name}` must be a finite number of seconds > 0, got {value!r}")
+        if self.replica_id is not None and (not isinstance(self.replica_id, str) or not self.replica_id):
+            raise ValueError(f"`FaultTolerance.replica_id` must be None (REPLICA_GROUP_ID, else host and process) or "
+                             f"a non-empty str naming this replica group, got {self.replica_id!r}")
         address = self.address
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"`FaultTolerance.lighthouse` must be the lighthouse's address 'http://host:port' "

@@ -76,6 +76,9 @@ class LocalUpdateHandle(ExchangeHandle):
         #: :func:`local_updates`): refused (the model must not be driven through DDP), or, for a fault-tolerant
         #: group of several processes, required (:attr:`wrapper_check`)
         self.wrapper_check: Optional[Callable[[torch.nn.Module], None]] = refuse_gradient_all_reduce if refuse_ddp else None
+        #: the strategy (Fabric's) that calls :meth:`step` after each optimizer step itself, if one does
+        self.counted_by_strategy: Optional[str] = None
+        self._strategy_counting = False
         #: evaluation sees θ_global: before each forward pass of the model, :meth:`LocalUpdateLoop.follow_forward`
         # (prepended: before FSDP2's own pre-hook gathers the root's parameters)
         self._evaluation_hook = loop.module.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -112,6 +115,11 @@ class LocalUpdateHandle(ExchangeHandle):
         twice), and from then on every call counts one iteration, also one whose optimizer step a
         ``GradScaler`` skipped, so that the schedule stays the same on every rank: with a GradScaler, call
         it every iteration."""
+        self._refuse_after_close("step()")
+        if self.counted_by_strategy and not self._strategy_counting:
+            raise RuntimeError(f"gradcomp: step(): {self.counted_by_strategy} counts the inner steps itself (in "
+                               "optimizer.step()); calling step() as well would count each iteration twice (a "
+                               "synchronisation every H/2 iterations): leave it out")
         if self._stop_counting_optimizer_steps() and self._counted_by_hook:
             self._counted_by_hook = False
             return self._last_synced
@@ -140,7 +148,21 @@ class LocalUpdateHandle(ExchangeHandle):
 
         The schedule goes on from the step counter (the next window is shorter); a resume from a
         checkpoint written before the :meth:`sync` continues as if it never happened."""
+        self._refuse_after_close("sync()")
         return self.loop.sync()
+
+    def _refuse_after_close(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"gradcomp: {what} after close(): the handle no longer counts the optimizer's steps "
+                               "nor runs the exchange; call sync() before close(), and close() when training ends")
+
+    def step_for_the_strategy(self) -> bool:
+        """:meth:`step`, called by a strategy that counts the inner steps itself (:attr:`counted_by_strategy`)."""
+        self._strategy_counting = True
+        try:
+            return self.step()
+        finally:
+            self._strategy_counting = False
 
     def global_weights(self) -> ContextManager[None]:
         """``with handle.global_weights(): ...``: inside, the model holds ``θ_global`` and the buffers of the
@@ -199,6 +221,7 @@ class LocalUpdateHandle(ExchangeHandle):
             restored.append(True)
 
         restore_entry(state, self.hook_state, workers, self.compressor, load)
+        self._agree_on_the_restore(f", inner step {self.loop.outer.optimizer_steps}")
         if not restored and rank == 0:
             warnings.warn(
                 "gradcomp: the checkpoint's local-update state belongs to another number of workers, compressor or "

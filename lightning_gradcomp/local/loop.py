@@ -29,7 +29,7 @@ from lightning_gradcomp.exchange.agreement import out_of_step, ScheduleMismatch
 from lightning_gradcomp.exchange.drivers import collective_device
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.exchange.waits import Arrival
-from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
 from lightning_gradcomp.local.global_model import CopiedIn, GlobalBuffers, SwappedIn
 from lightning_gradcomp.local.fragments import (
     buffer_fragments,
@@ -296,6 +296,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         self._parameters = [p for _, p in named]
         self.buffers = list(module.named_buffers())
         self.exchange = exchange
+        warn_compounding_momentum(exchange.compressor, config)
         self.outer = OuterModel(self.names, self.params, config,
                                 fragment_of=fragment_assignment(module, self.names, config), device=global_device)
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
@@ -371,7 +372,8 @@ class LocalUpdateLoop(ScheduledSyncs):
             raise ScheduleMismatch(
                 f"gradcomp: local updates: {who} out of step at this synchronisation ({shown}). Every rank must synchronise at the same inner step: call sync() on every rank at the "
                 "same point, count every optimizer step on every rank (handle.step() after each one where a "
-                "GradScaler may skip it), and give every rank the same model and fragments")
+                "GradScaler may skip it), load a checkpoint on every rank (load_state_dict() is for each rank), "
+                "and give every rank the same model and fragments")
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
         """What this rank hands the engine: each parameter's flat outer gradient and where its average goes

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
-from lightning_gradcomp.local.config import LocalUpdates
+from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
 from lightning_gradcomp.local.global_model import GlobalBuffers
 from lightning_gradcomp.local.loop import load_local_state, local_state, PendingSync, ScheduledSyncs
 from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
@@ -75,6 +75,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
             exchange = SimulatedExchange(options.compressor, workers, options.error_feedback,
                                          options.min_compress_numel, options.seed)
         self.exchange = exchange
+        warn_compounding_momentum(exchange.compressor, config)
         named = trainable_parameters(module)
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
