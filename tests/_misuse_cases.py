@@ -1535,6 +1535,29 @@ def _(rank: int, world: int) -> str:
     return _absent(rank, world, lambda: handle.load_state_dict(entry[0]))  # `if rank == 0: handle.load_state_dict(...)`
 
 
+@legit("a local_updates entry loaded by register() is said to be one", "register", requires=(REGISTER, LOCAL))
+def _() -> None:
+    model = _mlp()
+    local = _local(model, 4)
+    entry = local.state_dict()
+    local.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lg().register(_ddp(), "topk").load_state_dict(entry)
+    check(any("written under local updates" in str(w.message) for w in caught), "no word about the entry's kind")
+
+
+@legit("a register() entry loaded by local_updates is said to be one", "local_updates", requires=(REGISTER, LOCAL))
+def _() -> None:
+    handle = lg().register(_ddp(), "topk")
+    entry = handle.state_dict()
+    handle.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _local(None, 4, "topk").load_state_dict(entry)
+    check(any("holds no local-update state" in str(w.message) for w in caught), "no word about the entry's kind")
+
+
 # ---------------------------------------------------------------------------------------------- 2 x 2
 
 

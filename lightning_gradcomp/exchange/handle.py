@@ -185,6 +185,7 @@ class ExchangeHandle:
             )
         workers = dist.get_world_size(self.hook_state.driver.group)
         rank = dist.get_rank(self.hook_state.driver.group)
+        warn_if_local_updates_entry(state)
         restore_entry(state, self.hook_state, workers, self.compressor,
                       lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
         self._agree_on_the_restore()
@@ -396,6 +397,17 @@ def _warn_grad_scaler(scaler: Any, handle: GradientHandle) -> None:
         "(torch.autocast(device_type, dtype=torch.bfloat16), no GradScaler), or register(..., error_feedback=False) "
         "with a compressor that keeps no state (e.g. 'qsgd', 'randomk', 'fp16'; not DGC, Signum or DeMo)",
         UserWarning, stacklevel=3)
+
+
+def warn_if_local_updates_entry(state: dict[str, Any]) -> None:
+    """Warn when an entry that :func:`~lightning_gradcomp.local_updates` wrote (each rank's replica, outer state
+    and window) is loaded where gradients are exchanged every step: only its residuals and counters apply."""
+    ranks = state.get("ranks")
+    if isinstance(ranks, list) and any(isinstance(entry, dict) and entry.get("local") is not None for entry in ranks):
+        warnings.warn("gradcomp: this checkpoint entry was written under local updates (local_updates(), or a strategy "
+                      "with local_updates=): its replicas, outer-optimizer state and window position do not apply to "
+                      "an exchange every step and are ignored; its residuals are those of the outer gradients",
+                      UserWarning, stacklevel=3)
 
 
 def warn_if_unbound(compressor: Compressor) -> None:

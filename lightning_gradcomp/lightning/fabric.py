@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
@@ -205,6 +205,8 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
             self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
                                    options.min_compress_numel, options.seed, group=ddp.process_group,
                                    global_device=self.global_device)
+            # fabric.save on some ranks only: CheckpointTimeout after this, not the process group's timeout
+            self.gradcomp.checkpoint_group = checkpoint_group(ddp.process_group, DEFAULT_CHECKPOINT_TIMEOUT)
             ddp.register_comm_hook(None, no_communication_hook)
         else:
             self.gradcomp = register(ddp, options.compressor, error_feedback=options.error_feedback,

@@ -213,6 +213,13 @@ class LocalUpdateHandle(ExchangeHandle):
                              f"{type(state).__name__}")
         rank, workers = self._entry_position()
         restored = []
+        ranks = state.get("ranks")
+        if isinstance(ranks, list) and ranks and all(isinstance(entry, dict) and entry.get("local") is None
+                                                     for entry in ranks):
+            warnings.warn("gradcomp: this checkpoint entry holds no local-update state (it was written by an exchange "
+                          "every step: register(), register_fsdp() or a strategy without local_updates=): the window "
+                          "starts afresh from the model as loaded, with its residuals and counters", UserWarning,
+                          stacklevel=2)
 
         def load(ranks: list[dict[str, Any]]) -> None:
             self.hook_state.load_state_dict(ranks[rank], self.device)
