@@ -18,7 +18,7 @@ Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subcl
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -27,7 +27,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -35,7 +34,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.checkpoint import checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.ddp.handle import GradCompHandle, register
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
@@ -51,21 +50,19 @@ from lightning_gradcomp.lightning.options import (
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.lightning.options import check_clipping_after_signs, check_fit_setup
-from lightning_gradcomp.lightning.step_figures import ReportsFigures
-from lightning_gradcomp.ddp.hook import exchange_failures, no_communication_hook
+from lightning_gradcomp.lightning.options import check_fit_setup
+from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
+from lightning_gradcomp.ddp.hook import no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import attach, attach_fault_tolerant, LocalUpdateHandle
-from lightning_gradcomp.metrics.netmodel import Network
-from lightning_gradcomp.metrics.stats import StepStats
 
 
 #: Options of :class:`~lightning_gradcomp.GradCompStrategy` that Fabric's strategy does not take.
 TRAINER_ONLY_OPTIONS = ("hierarchy", "log_stats", "print_summary")
 
 
-class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
+class GradCompFabricStrategy(FabricExchange, DDPStrategy):
     """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Args:
@@ -141,22 +138,6 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
         self.gradcomp: Optional[GradCompHandle] = None
         self._pending_entry: Optional[dict[str, Any]] = None
 
-    @property
-    def compressor(self) -> Compressor:
-        return self.options.compressor
-
-    @property
-    def step_stats(self) -> StepStats:
-        """The figures of the latest completed backward pass (empty before the model is set up)."""
-        return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
-
-    def summary(self, network: Optional[Network] = None) -> str:
-        """The end-of-training table (:mod:`lightning_gradcomp.metrics.summary`), averaged over ranks; every rank
-        must call it (print it on rank 0: ``fabric.print(fabric.strategy.summary())``)."""
-        if self.gradcomp is None:
-            raise RuntimeError("GradCompFabricStrategy.summary(): no model has been set up yet (fabric.setup)")
-        return self.gradcomp.summary(network)
-
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
@@ -215,9 +196,7 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
         self.gradcomp.hook_state.telemetry = self.telemetry
         if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.counted_by_strategy = "GradCompFabricStrategy(local_updates=...)"
-        if self._pending_entry is not None:
-            entry, self._pending_entry = self._pending_entry, None
-            self.gradcomp.load_state_dict(entry)
+        self._restore_pending_entry()
         return ddp
 
     @override
@@ -233,87 +212,6 @@ class GradCompFabricStrategy(ReportsFigures, DDPStrategy):
             raise ValueError("GradCompFabricStrategy(local_updates=...): set the model up before (or with) its "
                              "optimizer: fabric.setup(model, optimizer)")
         return super().setup_optimizer(optimizer)
-
-    @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Fabric's clipping, refused after a compressor that hands the optimizer signs (DeMo)."""
-        if self.local_updates is None:
-            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(max_norm={max_norm!r})",
-                                       "no fabric.clip_gradients")
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        """Fabric's clipping by value, refused after a compressor that hands the optimizer signs."""
-        if self.local_updates is None:
-            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(clip_val={clip_val!r})",
-                                       "no fabric.clip_gradients")
-        return super().clip_gradients_value(module, optimizer, clip_val)
-
-    @override
-    def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        """Fabric's backward; an exchange that failed (a dead peer) raises its
-        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
-        with exchange_failures(self.gradcomp.hook_state if self.gradcomp is not None else None):
-            super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The inner step; with local updates every ``H``-th one is followed by the outer synchronisation."""
-        output = super().optimizer_step(optimizer, **kwargs)
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            self.gradcomp.step_for_the_strategy()
-        return output
-
-    @override
-    def teardown(self) -> None:
-        if self.gradcomp is not None:
-            self.gradcomp.close()
-        super().teardown()
-
-    # ------------------------------------------------------------------ checkpointing
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Union[Module, Optimizer, Any]],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
-    ) -> None:
-        """Fabric's checkpoint, plus every rank's compression state under ``"gradcomp"``; with local updates
-        the model's ``state_dict`` is ``θ_global``'s (each rank's replica travels in the entry)."""
-        if self.gradcomp is not None:
-            if CHECKPOINT_KEY in state:
-                raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
-                                 "allowed: any other name for your own entries")
-            entry = self.gradcomp.state_dict()  # a collective: every rank takes part
-            if entry is not None:
-                state = {**state, CHECKPOINT_KEY: entry}
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            with self.gradcomp.global_weights():  # the model's state_dict is θ_global's; replicas in the entry
-                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-            return
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Optional[Union[Module, Optimizer, dict[str, Union[Module, Optimizer, Any]]]] = None,
-        strict: bool = True,
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
-        """Fabric's load; with a ``state`` dict, the compression state is restored too (now, or when the
-        model is set up) and left out of the returned remainder."""
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if isinstance(state, dict) and state:
-            entry = remainder.pop(CHECKPOINT_KEY, None)
-            if entry is not None and self.gradcomp is not None:
-                self.gradcomp.load_state_dict(entry)
-            elif entry is not None:
-                self._pending_entry = entry
-        return remainder
 
 
 GradCompFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -33,7 +33,6 @@ from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -41,9 +40,8 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.exchange.options import exchange_options
-from lightning_gradcomp.exchange.session import exchange_failures
 from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.sharding import (
     ALLOWED_OPTIONS,
@@ -58,7 +56,6 @@ from lightning_gradcomp.lightning.sharding import (
     UNREADABLE_CHECKPOINT,
 )
 from lightning_gradcomp.lightning.options import (
-    check_clipping_after_signs,
     check_fault_tolerance,
     check_fit_setup,
     check_global_device_option,
@@ -66,18 +63,16 @@ from lightning_gradcomp.lightning.options import (
     check_timeout,
     group_sampler_kwargs,
 )
-from lightning_gradcomp.lightning.step_figures import ReportsFigures
+from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
-from lightning_gradcomp.metrics.netmodel import Network
-from lightning_gradcomp.metrics.stats import StepStats
 
 #: The Fabric strategy's own options beyond the Trainer's sharded strategy's.
 FABRIC_OPTIONS = ("parallelize_fn", "telemetry")
 
 
-class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
+class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
     """Fabric's FSDP2 inside each replica, the compressed exchange between replicas.
 
     Args:
@@ -144,28 +139,12 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
         self._pending_entry: Optional[dict[str, Any]] = None
 
     @property
-    def compressor(self) -> Compressor:
-        return self.options.compressor
-
-    @property
-    def step_stats(self) -> StepStats:
-        """The figures of the latest completed backward pass (empty before the model is set up)."""
-        return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
-
-    @property
     def compression_workers(self) -> int:
         """The processes that exchange one shard compressed: the replicas (under fault tolerance: the replica
         groups of the last quorum)."""
         if isinstance(self.gradcomp, FaultTolerantHandle):
             return self.gradcomp.loop.driver.world_size
         return self.device_mesh["replicate"].size()
-
-    def summary(self, network: Optional[Network] = None) -> str:
-        """The end-of-training table, averaged over ranks; every rank calls it (print it on rank 0:
-        ``fabric.print(fabric.strategy.summary())``)."""
-        if self.gradcomp is None:
-            raise RuntimeError("GradCompFabricFSDPStrategy.summary(): no model has been set up yet (fabric.setup_module)")
-        return self.gradcomp.summary(network)
 
     # ------------------------------------------------------------------ registration
     @classmethod
@@ -223,9 +202,7 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
         self.gradcomp.hook_state.telemetry = self.telemetry
         if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.counted_by_strategy = "GradCompFabricFSDPStrategy(local_updates=...)"
-        if self._pending_entry is not None:
-            entry, self._pending_entry = self._pending_entry, None
-            self.gradcomp.load_state_dict(entry)
+        self._restore_pending_entry()
         return module
 
     @override
@@ -244,74 +221,12 @@ class GradCompFabricFSDPStrategy(ReportsFigures, ModelParallelStrategy):
             self.gradcomp.bind(optimizer)
         return super().setup_optimizer(optimizer)
 
-    # ------------------------------------------------------------------ steps
-    @override
-    def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
-        """Fabric's backward; an exchange that failed (a dead peer) raises its
-        :class:`~lightning_gradcomp.CollectiveError`."""
-        with exchange_failures(self.gradcomp):
-            super().backward(tensor, module, *args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The inner step; with local updates every ``H``-th step of the first optimizer is followed by the
-        outer synchronisation."""
-        output = super().optimizer_step(optimizer, **kwargs)
-        if isinstance(self.gradcomp, LocalUpdateHandle) and self.gradcomp.optimizers and \
-                optimizer in (self.gradcomp.optimizers[0], getattr(self.gradcomp.optimizers[0], "optimizer", None)):
-            self.gradcomp.step_for_the_strategy()
-        return output
-
-    @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Fabric's clipping, refused after a compressor that hands the optimizer signs (DeMo)."""
-        if self.local_updates is None:
-            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(max_norm={max_norm!r})",
-                                       "no fabric.clip_gradients")
-        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-
-    @override
-    def teardown(self) -> None:
-        if self.gradcomp is not None:
-            self.gradcomp.close()
-        super().teardown()
-
-    # ------------------------------------------------------------------ checkpointing
-    @override
-    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Fabric's sharded checkpoint, plus every rank's exchange state under ``"gradcomp"``; under local
-        updates the model's shards are ``θ_global``'s (each rank's replica travels in the entry)."""
-        if self.gradcomp is not None:
-            if CHECKPOINT_KEY in state:
-                raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
-                                 "allowed: any other name for your own entries")
-            entry = self.gradcomp.state_dict()  # a collective: every rank takes part
-            if entry is not None:
-                state = {**state, CHECKPOINT_KEY: entry}
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            with self.gradcomp.global_weights():
-                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-            return
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-
-    @override
-    def load_checkpoint(self, path: _PATH, state: Optional[Any] = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Fabric's load; with a ``state`` dict the exchange state is restored too (now, or when the model is
-        set up) and left out of the returned remainder."""
+    def _load_from_fabric(self, path: Any, state: Optional[Any], strict: bool,
+                          weights_only: Optional[bool]) -> dict[str, Any]:
         try:
-            remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            return super()._load_from_fabric(path, state, strict, weights_only)
         except IndexError as error:
             raise RuntimeError(UNREADABLE_CHECKPOINT.format(path=path)) from error
-        if isinstance(state, dict) and state:
-            entry = remainder.pop(CHECKPOINT_KEY, None)
-            if entry is not None and self.gradcomp is not None:
-                self.gradcomp.load_state_dict(entry)
-            elif entry is not None:
-                self._pending_entry = entry
-        return remainder
 
 
 GradCompFabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,138 @@
+"""What both Fabric strategies (``GradCompFabricStrategy``, ``GradCompFabricFSDPStrategy``) do with the exchange
+they hold in ``gradcomp``, written once: its figures and summary, the backward that raises an exchange's own
+error, the inner steps counted for local updates, clipping refused after signs, the exchange state carried
+by ``fabric.save``/``fabric.load``, and the close at teardown.
+
+It imports no Lightning (the strategy modules do, and Lightning's import registers them: a module they both
+import must be complete before that happens).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from typing_extensions import override
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY
+from lightning_gradcomp.exchange.session import exchange_failures
+from lightning_gradcomp.lightning.options import check_clipping_after_signs
+from lightning_gradcomp.lightning.step_figures import ReportsFigures
+from lightning_gradcomp.local.handle import LocalUpdateHandle
+from lightning_gradcomp.metrics.netmodel import Network
+from lightning_gradcomp.metrics.stats import StepStats
+
+
+class FabricExchange(ReportsFigures):
+    """Mixin of the Fabric strategies, before Fabric's strategy class in the bases. The host sets
+    ``options`` (the exchange options), ``local_updates``, ``gradcomp`` (the handle, ``None`` until the model
+    is set up) and ``_pending_entry`` (an entry ``fabric.load`` read before the model was set up)."""
+
+    options: Any
+    local_updates: Any
+    gradcomp: Any
+    _pending_entry: Optional[dict[str, Any]]
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.options.compressor
+
+    @property
+    def step_stats(self) -> StepStats:
+        """The figures of the latest completed backward pass (empty before the model is set up)."""
+        return self.gradcomp.step_stats if self.gradcomp is not None else StepStats()
+
+    def summary(self, network: Optional[Network] = None) -> str:
+        """The end-of-training table (:mod:`lightning_gradcomp.metrics.summary`), averaged over ranks; every rank
+        calls it (print it on rank 0: ``fabric.print(fabric.strategy.summary())``)."""
+        if self.gradcomp is None:
+            raise RuntimeError(f"{type(self).__name__}.summary(): no model has been set up yet (fabric.setup)")
+        return self.gradcomp.summary(network)
+
+    def _restore_pending_entry(self) -> None:
+        """The entry ``fabric.load`` read before the model was set up, into the exchange made now."""
+        if self._pending_entry is not None:
+            entry, self._pending_entry = self._pending_entry, None
+            self.gradcomp.load_state_dict(entry)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[Any], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
+        with exchange_failures(self.gradcomp):
+            super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The inner step; with local updates every ``H``-th step of the first optimizer set up is followed
+        by the outer synchronisation (the strategy counts: ``gradcomp.step()`` is refused)."""
+        output = super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+        handle = self.gradcomp
+        if isinstance(handle, LocalUpdateHandle) and handle.optimizers and \
+                optimizer in (handle.optimizers[0], getattr(handle.optimizers[0], "optimizer", None)):
+            handle.step_for_the_strategy()
+        return output
+
+    @override
+    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Fabric's clipping, refused after a compressor that hands the optimizer signs (DeMo)."""
+        if self.local_updates is None:
+            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(max_norm={max_norm!r})",
+                                       "no fabric.clip_gradients")
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)  # type: ignore[misc]
+
+    @override
+    def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: Union[float, int]) -> None:
+        """Fabric's clipping by value, refused after a compressor that hands the optimizer signs."""
+        if self.local_updates is None:
+            check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(clip_val={clip_val!r})",
+                                       "no fabric.clip_gradients")
+        return super().clip_gradients_value(module, optimizer, clip_val)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        if self.gradcomp is not None:
+            self.gradcomp.close()
+        super().teardown()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Fabric's checkpoint, plus every rank's exchange state under ``"gradcomp"`` (a collective: every
+        rank calls ``fabric.save``); under local updates the model saved is ``θ_global`` (each rank's replica
+        travels in the entry)."""
+        if self.gradcomp is not None:
+            if CHECKPOINT_KEY in state:
+                raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
+                                 "allowed: any other name for your own entries")
+            entry = self.gradcomp.state_dict()
+            if entry is not None:
+                state = {**state, CHECKPOINT_KEY: entry}
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            with self.gradcomp.global_weights():
+                super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+            return
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Fabric's load; with a ``state`` dict the exchange state is restored too (now, or when the model is
+        set up) and left out of the returned remainder."""
+        remainder = self._load_from_fabric(path, state, strict, weights_only)
+        if isinstance(state, dict) and state:
+            entry = remainder.pop(CHECKPOINT_KEY, None)
+            if entry is not None and self.gradcomp is not None:
+                self.gradcomp.load_state_dict(entry)
+            elif entry is not None:
+                self._pending_entry = entry
+        return remainder
+
+    def _load_from_fabric(self, path: Any, state: Optional[Any], strict: bool,
+                          weights_only: Optional[bool]) -> dict[str, Any]:
+        """Fabric's own load (a strategy translates its errors here)."""
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
