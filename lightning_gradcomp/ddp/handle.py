@@ -103,9 +103,10 @@ def register(
     if getattr(ddp_model, "_comm_hooks", None):
         raise ValueError(
             "gradcomp: this DistributedDataParallel model already has a communication hook (an earlier register() "
-            "or register_comm_hook), and DDP accepts one per model. To change the compression between steps, "
-            "call use_compressor(...) on the handle the first register() returned; otherwise wrap a new "
-            "DistributedDataParallel")
+            "or register_comm_hook), and DDP accepts one per model and keeps it for the wrapper's life (close() "
+            "does not remove it). To change the compression between steps, call use_compressor(...) on the open "
+            "handle the first register() returned; for a new exchange, wrap the module again: "
+            "register(DistributedDataParallel(ddp_model.module), ...)")
     check_reducer(ddp_model)
     refuse_a_second_exchange(ddp_model.module, "register()")
     timeout = check_checkpoint_timeout(timeout)

@@ -199,7 +199,8 @@ class ExchangeHandle:
                         caller="load_state_dict()")
 
     def close(self) -> None:
-        """Stop the exchange thread, if one runs; the model may then take another exchange."""
+        """Stop the exchange thread, if one runs; the model may then take another exchange (a DDP model through
+        a new ``DistributedDataParallel`` wrapper: DDP keeps the communication hook it was given)."""
         self.hook_state.close()
         self.closed = True
 
