@@ -24,8 +24,25 @@ import torch.multiprocessing as mp
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+#: ports the tests listen on: below the kernel's ephemeral range (32768-60999 on Linux), so that no client
+#: socket of another process (gloo's, torchft's) can take one between its choice here and its bind
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now on 127.0.0.1, outside the ephemeral range (see :data:`_PORTS`)."""
+    import random
+
+    draw = random.SystemRandom()  # not the random module's state, which forked processes share
+    for _ in range(200):
+        port = draw.randrange(_PORTS.start, _PORTS.stop)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every try taken: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

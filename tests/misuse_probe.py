@@ -42,7 +42,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -95,9 +94,9 @@ class _Job:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from tests._processes import free_port  # outside the ephemeral range: see there
+
+    return free_port()
 
 
 def _rank_main(names: list[str], rank: int, world: int, port: int, directory: str, env: dict[str, str]) -> None:
