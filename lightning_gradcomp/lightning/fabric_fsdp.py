@@ -52,6 +52,7 @@ from lightning_gradcomp.lightning.sharding import (
     refuse_fsdp1,
     refuse_options,
     replica_mesh,
+    replicas_exchanging,
     shard_by_policy,
     UNREADABLE_CHECKPOINT,
 )
@@ -66,7 +67,7 @@ from lightning_gradcomp.lightning.options import (
 from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
+from lightning_gradcomp.local.handle import LocalUpdateHandle
 
 #: The Fabric strategy's own options beyond the Trainer's sharded strategy's.
 FABRIC_OPTIONS = ("parallelize_fn", "telemetry")
@@ -142,9 +143,7 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
     def compression_workers(self) -> int:
         """The processes that exchange one shard compressed: the replicas (under fault tolerance: the replica
         groups of the last quorum)."""
-        if isinstance(self.gradcomp, FaultTolerantHandle):
-            return self.gradcomp.loop.driver.world_size
-        return self.device_mesh["replicate"].size()
+        return replicas_exchanging(self.gradcomp, self.device_mesh)
 
     # ------------------------------------------------------------------ registration
     @classmethod

@@ -55,6 +55,7 @@ from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_
     refuse_fsdp1,
     refuse_options,
     replica_mesh,
+    replicas_exchanging,
     shard_by_policy,
     UNREADABLE_CHECKPOINT,
 )
@@ -203,9 +204,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     def compression_workers(self) -> int:
         """The processes that exchange one shard compressed: the number of replicas (under fault tolerance:
         the replica groups of the last quorum)."""
-        if isinstance(self.gradcomp, FaultTolerantHandle):
-            return self.gradcomp.loop.driver.world_size
-        return self.device_mesh["replicate"].size()
+        return replicas_exchanging(self.gradcomp, self.device_mesh)
 
     # ------------------------------------------------------------------ registration
     @classmethod

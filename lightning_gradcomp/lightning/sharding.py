@@ -16,7 +16,7 @@ from lightning_gradcomp.core.fsdp2 import MESH_DIMS
 from lightning_gradcomp.fsdp.handle import FSDPHandle, register_fsdp
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import LocalUpdateHandle
+from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
 
 #: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
@@ -83,6 +83,14 @@ def attach_sharded_exchange(module: nn.Module, mesh: Any, compressor: Union[Comp
     if local_updates is not None:
         return attach_sharded(module, mesh, local_updates, compressor, global_device=global_device, **options)
     return register_fsdp(module, mesh, compressor, **options)
+
+
+def replicas_exchanging(handle: Any, mesh: Any) -> int:
+    """The processes that exchange one shard compressed: the replicas of ``mesh`` (under fault tolerance, the
+    replica groups of the last quorum)."""
+    if isinstance(handle, FaultTolerantHandle):
+        return handle.loop.driver.world_size
+    return mesh["replicate"].size()
 
 
 def check_shard_size(shard_size: Any) -> Optional[int]:
