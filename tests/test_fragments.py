@@ -414,6 +414,7 @@ def test_the_output_layer_goes_last_by_the_forward_pass_not_by_registration() ->
     settled = by_fragment(sim.names, sim.outer.fragment_of)
     assert {"lm_head.weight", "ln_f.weight"} <= set(settled[1]) and "wte.weight" in settled[0], settled
     assert all(name.startswith(("h.0.", "h.2.", "wte.")) for name in settled[0]), settled[0]
+    assert not any(module._forward_pre_hooks for module in model.modules()), "the recorder's hooks are gone"
     states = sim.state_dicts()
     for _ in range(3):
         _train_one_step(model, optimizer, sim)  # the exchanges use the settled grouping

@@ -122,7 +122,8 @@ class ScheduledSyncs:
         if recorder is None or not recorder.recording:
             return
         order = recorder.stop()
-        if order:
+        if order:  # eager forward passes recorded it: no compiled graph holds the hooks, which go now
+            recorder.remove()
             self._use_fragments(fragment_assignment(self._first_use_module, self.names, self._first_use_config, order))
 
     def _adopt_saved_fragments(self, outer_state: Optional[dict[str, Any]]) -> None:
