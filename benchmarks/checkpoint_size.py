@@ -1,14 +1,16 @@
-"""Checkpoint bytes: the exchange's entry, gathered on rank 0, against the model and optimizer state.
+"""Checkpoint bytes per rank: the exchange's state, gathered on rank 0 or a part per rank, against the model
+and optimizer state.
 
     python benchmarks/checkpoint_size.py [--worlds 2 4] [--width 1024] [--methods topk int8 diloco]
 
 For each world size (gloo processes on this machine) and method, a 3-layer MLP (512 -> width -> 512 -> 10)
 takes 3 AdamW steps, then rank 0 reports the bytes of ``torch.save`` of the model's and optimizer's
-``state_dict()`` (what DDP's checkpoint holds) and of the handle's ``state_dict()`` (the exchange state
+``state_dict()`` (what DDP's checkpoint holds), of the handle's ``state_dict()`` (the exchange state
 gathered from every rank: residuals and compressor state per rank; under local updates, ``diloco``, also
-every rank's replica, inner-optimizer state and the outer state). The entry grows with the number of ranks
-(issue 49: checkpoints that scale, each rank writing its own part, are not built yet); this is the
-reference to measure that work against.
+every rank's replica, inner-optimizer state and the outer state), which grows with the number of ranks,
+and of the largest ``rank_state_dict()`` (one rank's part, what the strategies' checkpoints write on each
+rank), which does not. "Rank 0 writes" is what rank 0 writes with parts: the model and optimizer and its
+own part; the ratio is to DDP's checkpoint.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def _rank(rank: int, world: int, port: int, method: str, width: int, out: str) -
         optimizer.step()
         optimizer.zero_grad()
     entry = handle.state_dict()  # a collective: every rank
+    part = torch.tensor([float(_bytes(handle.rank_state_dict()))])
+    own = float(part)
+    dist.all_reduce(part, op=dist.ReduceOp.MAX)
     if rank == 0:
         dense = _bytes({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
         with open(out, "a") as handle_out:
             handle_out.write(f"| {world} | {method} | {dense / 1e6:.2f} | {_bytes(entry) / 1e6:.2f} | "
-                             f"{_bytes(entry) / dense:.2f} |\n")
+                             f"{float(part) / 1e6:.2f} | {(dense + own) / 1e6:.2f} | {(dense + own) / dense:.2f} |\n")
     handle.close()
     dist.destroy_process_group()
 
@@ -69,8 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"checkpoint_size.{os.getpid()}.md")
     with open(out, "w") as table:
-        table.write("| ranks | method | model + optimizer (MB) | exchange entry on rank 0 (MB) | ratio |\n"
-                    "|---|---|---|---|---|\n")
+        table.write("| ranks | method | DDP: model + optimizer (MB) | gathered entry on rank 0 (MB) | largest part "
+                    "per rank (MB) | rank 0 writes, with parts (MB) | ratio to DDP |\n|---|---|---|---|---|---|---|\n")
     port = 29700 + os.getpid() % 200
     for world in args.worlds:
         for method in args.methods:

@@ -177,16 +177,39 @@ def run_script(script: "Path | str", args: list[str], cwd: Path, env: dict[str, 
     return ScriptRun(script, args, cwd, env).wait(timeout)
 
 
+def run_job(script: "Path | str", args: list[str], cwd: Path, world: int, timeout: float = 240) -> tuple[list[int], str]:
+    """Run ``script`` as ``world`` processes of one job, each forked from the fork server with ``LOCAL_RANK``
+    0..world-1 and one ``MASTER_PORT`` (as a launcher starts them: Lightning and Fabric then start no processes
+    of their own); every rank's exit code and their combined output. A rank that fails ends the others."""
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0")
+    runs = [ScriptRun(script, list(args), cwd, dict(base, LOCAL_RANK=str(rank))) for rank in range(world)]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [run.process.exitcode for run in runs]
+        if None not in codes or any(code not in (None, 0) for code in codes):
+            break
+        time.sleep(0.05)
+    for run in runs:
+        if run.process.exitcode is None:  # a rank failed (the others wait for it in a collective), or time ran out
+            run.kill()
+    outcomes = [run.wait(10) for run in runs]
+    output = "\n".join(f"--- rank {rank} (exit {code})\n{text}" for rank, (code, text) in enumerate(outcomes))
+    return [code for code, _ in outcomes], output
+
+
 def run_lightning(tmp_path: Path, name: str, *args: str, timeout: float = 300,
                   script: str = "train_digits.py") -> tuple[list[dict], str]:
-    """Run ``tests/scripts/<script>`` (a real multi-process Lightning or Fabric job); return every rank's
-    results and the combined output."""
+    """Run ``tests/scripts/<script>`` (a real multi-process Lightning or Fabric job) as the processes of one job
+    forked from the fork server (:func:`run_job`: ``--devices`` of them, 2 by default, 1 with ``--simulate``;
+    Lightning's launcher would start the other ranks as fresh interpreters, about 5 s each on 2 cores);
+    return every rank's results and the combined output."""
     out = tmp_path / name
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    code, output = run_script(SCRIPTS / script, ["--out", str(out), *args], tmp_path, env, timeout)
-    assert code == 0, output[-4000:]
+    world = 1 if "--simulate" in args else int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+    codes, output = run_job(SCRIPTS / script, ["--out", str(out), *args], tmp_path, world, timeout)
+    assert all(code == 0 for code in codes), output[-4000:]
     results = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob(f"{name}.rank*.pt"))]
-    assert results, output[-4000:]
+    assert len(results) == world, output[-4000:]
     return results, output
 
 

@@ -142,3 +142,41 @@ def check_register_refuses_sharded_and_second_registrations(rank: int, world_siz
     sharded = fully_shard(torch.nn.Linear(64, 64), mesh=init_device_mesh("cpu", (world_size,)))
     with pytest.raises(ValueError, match=r"sharded model.*register_fsdp\(model, mesh, compressor\).*DistributedDataParallel"):
         lightning_gradcomp.register(sharded, "topk")
+
+
+def check_each_rank_saves_and_loads_its_own_part(rank: int, world_size: int, folder: str) -> None:
+    """``rank_state_dict()`` (no collective) saved by each rank to its own file, loaded back by each rank:
+    the residuals, step and totals as they were; another rank's part is refused on every rank; the parts
+    merged offline hold every rank's state. Ranks saving under different paths are refused on every rank."""
+    from lightning_gradcomp.exchange.agreement import SettingsMismatch
+    from lightning_gradcomp.exchange.checkpoint import agree_on_the_save, gather_parts, parts_stub, resolve_entry, save_part
+
+    checkpoint = f"{folder}/model.pt"
+    with pytest.raises(SettingsMismatch, match="checkpoint path"):  # the parts would be scattered
+        agree_on_the_save(f"{folder}/rank{rank}.pt", None, "fabric.save")
+    agree_on_the_save(checkpoint, None, "fabric.save")
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    handle = lightning_gradcomp.register(ddp, "topk")
+    _train(handle, ddp, rank, 3)
+    part = handle.rank_state_dict()
+    assert part["part"] == rank and [state is not None for state in part["ranks"]] == [r == rank for r in range(2)]
+    save_part(checkpoint, rank, part)
+    residuals = {name: value.clone() for name, value in handle.hook_state.memory.state_dict()["residuals"].items()}
+    totals = handle.totals
+    handle.close()
+
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    handle = lightning_gradcomp.register(ddp, "topk")
+    other = resolve_entry(parts_stub(part), checkpoint, 1 - rank, world_size)
+    with pytest.raises(ValueError, match=f"rank {1 - rank}'s part of the exchange state, loaded on rank {rank}"):
+        handle.load_state_dict(other)
+    handle.load_state_dict(resolve_entry(parts_stub(part), checkpoint, rank, world_size))
+    assert handle.hook_state.step == 3 and handle.totals == totals
+    restored = handle.hook_state.memory.state_dict()["residuals"]
+    assert restored.keys() == residuals.keys() and all(torch.equal(restored[n], residuals[n]) for n in residuals)
+    handle.close()
+    torch.distributed.barrier()
+    merged = gather_parts(checkpoint)
+    assert merged["world_size"] == 2 and "part" not in merged
+    assert all(torch.equal(merged["ranks"][rank]["memory"]["residuals"][n], residuals[n]) for n in residuals)
+    assert not torch.equal(*(merged["ranks"][r]["memory"]["residuals"]["0.weight"] for r in (0, 1)))

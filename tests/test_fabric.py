@@ -37,7 +37,12 @@ def test_gradcomp_by_name_trains_within_two_points_and_resumes_exactly(fabric_ru
     assert "measured ratio" in topk[0]["summary"] and "TopK(density=0.01" in topk[0]["summary"]
 
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["epoch"] == 5 and saved["gradcomp"]["world_size"] == 2 and len(saved["gradcomp"]["ranks"]) == 2
+    assert saved["epoch"] == 5 and saved["gradcomp"]["parts"] == 2 and "ranks" not in saved["gradcomp"]  # nothing
+    # gathered on rank 0: each rank wrote its own part
+    for rank in (0, 1):
+        part = torch.load(f"{ckpt}.gradcomp/rank{rank:05d}.pt", weights_only=True)
+        assert part["part"] == rank and part["world_size"] == 2
+        assert [state is not None for state in part["ranks"]] == [r == rank for r in (0, 1)]
     resumed, _ = fabric_runs("resumed", "--strategy", "gradcomp-by-name", "--epochs", EPOCHS, "--resume", ckpt)
     for whole, rest in zip(topk, resumed):
         assert rest["hook_step"] == whole["hook_step"]

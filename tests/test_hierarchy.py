@@ -6,6 +6,7 @@ import pytest
 
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.ddp.hierarchy import partition
+from lightning_gradcomp.exchange.checkpoint import gather_parts
 from lightning_gradcomp.metrics.netmodel import Network
 from tests._processes import run_gloo
 
@@ -71,7 +72,8 @@ def test_lightning_two_nodes_of_two_processes_train_hierarchically(tmp_path) -> 
         assert result["world_size"] == 4 and result["global_step"] == result["hook_step"] == steps
         assert all(torch.equal(result["params"][k], ranks[0]["params"][k]) for k in result["params"])
         assert all(s["bytes_sent"] < s["bytes_dense"] / 25 for s in result["steps"]), "only shares cross nodes"
-    saved = torch.load(ckpt, weights_only=True)["gradcomp"]
+    assert torch.load(ckpt, weights_only=True)["gradcomp"]["parts"] == 4  # each rank wrote its own part
+    saved = gather_parts(ckpt)
     assert saved["layout"] == "nodes=2,local=2" and saved["world_size"] == 4 and len(saved["ranks"]) == 4
     owned = [set(rank["memory"]["residuals"]) for rank in saved["ranks"]]
     assert owned[0] == owned[2] and owned[1] == owned[3] and not owned[0] & owned[1], \

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_gradcomp.exchange.checkpoint import gather_parts
 from tests._processes import EPOCHS, STEPS_PER_EPOCH, params_equal
 
 pytestmark = pytest.mark.multiprocess
@@ -65,7 +66,8 @@ def test_resume_continues_as_if_never_stopped(lightning_runs) -> None:
     """From the checkpoint of the end of epoch 2, to the same parameters, residuals and totals as the run that
     wrote it and went on."""
     whole, ckpt = _whole_run_saving_at_half(lightning_runs)
-    saved = torch.load(ckpt, weights_only=True)["gradcomp"]
+    assert torch.load(ckpt, weights_only=True)["gradcomp"]["parts"] == 2  # nothing gathered on rank 0
+    saved = gather_parts(ckpt)
     assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
     assert not torch.equal(*(r["memory"]["residuals"]["net.0.weight"] for r in saved["ranks"])), \
         "each rank's own residuals are saved"

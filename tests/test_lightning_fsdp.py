@@ -6,39 +6,24 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from tests._processes import free_port, SCRIPTS, ScriptRun
+from lightning_gradcomp.exchange.checkpoint import gather_parts
+from tests._processes import run_job, SCRIPTS
 
 WORLD = 4
 
 
 def run_ranks(tmp_path: Path, name: str, script: str, *args: str, world: int = WORLD,
               timeout: float = 240) -> tuple[list[dict], str]:
-    """Run ``tests/scripts/<script>`` as ``world`` processes of one job (``LOCAL_RANK`` 0..world-1, one
-    ``MASTER_PORT``); every rank's results and their combined output. A rank that fails ends the others."""
-    port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0")
-    runs = [ScriptRun(SCRIPTS / script, ["--out", str(tmp_path / name), *args], tmp_path,
-                      dict(base, LOCAL_RANK=str(rank))) for rank in range(world)]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [run.process.exitcode for run in runs]
-        if None not in codes or any(code not in (None, 0) for code in codes):
-            break
-        time.sleep(0.05)
-    for run in runs:
-        if run.process.exitcode is None:  # a rank failed (the others wait for it in a collective), or time ran out
-            run.kill()
-    outcomes = [run.wait(10) for run in runs]
-    output = "\n".join(f"--- rank {rank} (exit {code})\n{text}" for rank, (code, text) in enumerate(outcomes))
-    assert all(code == 0 for code, _ in outcomes), output[-6000:]
+    """Run ``tests/scripts/<script>`` as ``world`` processes of one job (:func:`run_job`); every rank's results
+    and their combined output."""
+    codes, output = run_job(SCRIPTS / script, ["--out", str(tmp_path / name), *args], tmp_path, world, timeout)
+    assert all(code == 0 for code in codes), output[-6000:]
     results = [torch.load(tmp_path / f"{name}.rank{rank}.pt", weights_only=False) for rank in range(world)]
     return results, output
 
@@ -110,7 +95,9 @@ def test_trainer_fit_learns_with_identical_replicas_counted_bytes_and_a_summary(
 def test_trainer_resume_from_the_sharded_checkpoint_continues_bit_for_bit(fsdp_runs) -> None:
     whole, _, ckpt = _trainer_fit(fsdp_runs)
     assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == WORLD, "Lightning's sharded checkpoint"
-    entry = torch.load(ckpt / "meta.pt", weights_only=True)["gradcomp"]
+    assert torch.load(ckpt / "meta.pt", weights_only=True)["gradcomp"]["parts"] == WORLD
+    assert len(list((ckpt / "gradcomp").glob("rank*.pt"))) == WORLD  # each rank its part, in the directory
+    entry = gather_parts(ckpt)
     assert entry["world_size"] == WORLD and len(entry["ranks"]) == WORLD and entry["compressor"] == "TopK"
     assert all(rank["step"] == 22 for rank in entry["ranks"])
     resumed, output = fsdp_runs("train_fsdp.py", "resumed", "--epochs", "2", "--resume", str(ckpt))
@@ -443,7 +430,7 @@ def test_trainer_local_updates_checkpoint_holds_theta_global_and_resumes_mid_win
         rows = [whole[rank]["saved_global"][name] for rank in (0, 1)]
         assert torch.equal(value, torch.cat(rows)), name
         assert all(torch.equal(whole[r]["saved_global"][name], whole[r + 2]["saved_global"][name]) for r in (0, 1))
-    entry = torch.load(ckpt / "meta.pt", weights_only=True)["gradcomp"]
+    entry = gather_parts(ckpt)
     assert entry["layout"] == "local-hsdp:replicate=2,shard=2" and len(entry["ranks"]) == WORLD
     resumed, output = fsdp_runs("train_fsdp.py", "local-resumed", "--epochs", "2", "--local-updates", "5",
                                 "--compressor", "int8", "--resume", str(ckpt), "--validate")

@@ -3,19 +3,19 @@ with LitGPT's model, initialisation and chunked loss, AdamW, clipping, in-loop e
 ``fabric.save``/``load``, run as real multi-process Fabric jobs through gradcomp's Fabric strategies:
 compressed DDP (2 ranks), compressed HSDP (2 replicas x 2 shards), DiLoCo and SparseLoCo (2 ranks).
 Replicas end equal, an evaluation mid-window sees ``θ_global``, a run resumed from a checkpoint written
-mid-window (SparseLoCo) ends bit for bit where the uninterrupted one does.
+mid-run (mid-window under local updates), each rank reading its own part of the exchange state, ends bit for
+bit where the uninterrupted one does.
 
 Skipped where ``litgpt`` is not installed (``.ci/run`` installs it)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._processes import run_script
+from tests._processes import run_job
 
 pytest.importorskip("litgpt")
 pytestmark = pytest.mark.multiprocess
@@ -28,12 +28,13 @@ COMMON = ["--accelerator", "cpu", "--steps", "12", "--save-every", "6", "--eval-
 
 
 def _run(tmp_path: Path, name: str, mode: str, devices: int, *args: str) -> tuple[list[dict], str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """The example as ``devices`` processes of one job (forked from the fork server, as a launcher starts them;
+    Fabric then starts none of its own)."""
     report = tmp_path / name
-    code, output = run_script(EXAMPLE, ["--mode", mode, "--devices", str(devices), *COMMON, "--out-dir",
-                                        str(tmp_path / f"out-{mode}"), "--report", str(report), *args],
-                              tmp_path, env, timeout=300)
-    assert code == 0, output[-4000:]
+    codes, output = run_job(EXAMPLE, ["--mode", mode, "--devices", str(devices), *COMMON, "--out-dir",
+                                      str(tmp_path / f"out-{mode}"), "--report", str(report), *args],
+                            tmp_path, devices, timeout=300)
+    assert all(code == 0 for code in codes), output[-4000:]
     return [torch.load(f"{report}.rank{rank}.pt", weights_only=False) for rank in range(devices)], output
 
 
@@ -50,22 +51,26 @@ def _assert_resumes_exactly(tmp_path: Path, mode: str, devices: int, whole: list
         assert _equal(resumed[rank]["params"], whole[rank]["params"]), rank
 
 
-def test_compressed_ddp_int8(tmp_path: Path) -> None:
+def test_compressed_ddp_int8_resumes_exactly(tmp_path: Path) -> None:
     ranks, output = _run(tmp_path, "ddp", "ddp", 2)
     assert _equal(ranks[0]["params"], ranks[1]["params"])
     totals = ranks[0]["totals"]
     assert 3.5 < totals["bytes_dense"] / totals["bytes_sent"] < 4.0  # int8 with per-block scales
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
     assert "gradcomp summary" in output
+    parts = tmp_path / "out-ddp" / "step-000006.ckpt.gradcomp"
+    assert sorted(p.name for p in parts.iterdir()) == ["rank00000.pt", "rank00001.pt"]  # beside the file
+    _assert_resumes_exactly(tmp_path, "ddp", 2, ranks)
 
 
-def test_compressed_hsdp_two_replicas_of_two_shards(tmp_path: Path) -> None:
+def test_compressed_hsdp_two_replicas_of_two_shards_resumes_exactly(tmp_path: Path) -> None:
     ranks, _ = _run(tmp_path, "hsdp", "hsdp", 4)
     for shard in (0, 1):  # the ranks holding the same shard in the two replicas
         assert _equal(ranks[shard]["params"], ranks[shard + 2]["params"]), shard
     assert not _equal(ranks[0]["params"], ranks[1]["params"])  # sharded: each rank its own part
-    assert (tmp_path / "out-hsdp" / "step-000006.ckpt").is_dir()  # a distributed checkpoint (resumed exactly in
-    # test_lightning_fsdp's Fabric runs: not repeated here, 15 s of the suite)
+    checkpoint = tmp_path / "out-hsdp" / "step-000006.ckpt"
+    assert checkpoint.is_dir() and len(list((checkpoint / "gradcomp").glob("rank*.pt"))) == 4  # each rank its part
+    _assert_resumes_exactly(tmp_path, "hsdp", 4, ranks)
 
 
 def _assert_local_updates(ranks: list[dict]) -> None:
@@ -74,10 +79,11 @@ def _assert_local_updates(ranks: list[dict]) -> None:
         assert rank["evaluation_view"] == {"equals_global": True, "equals_replica": False}
 
 
-def test_diloco(tmp_path: Path) -> None:
+def test_diloco_resumes_mid_window_exactly(tmp_path: Path) -> None:
     ranks, output = _run(tmp_path, "diloco", "diloco", 2)
     _assert_local_updates(ranks)
     assert "3 synchronisations in 12 optimizer steps" in output
+    _assert_resumes_exactly(tmp_path, "diloco", 2, ranks)
 
 
 def test_sparseloco_resumes_mid_window_exactly(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_gradcomp.compressors import DeMo
+from lightning_gradcomp.exchange.checkpoint import gather_parts
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
 from tests._local_workers import (
@@ -334,7 +335,7 @@ def test_lightning_validation_inside_fit_sees_the_global_model(lightning_runs) -
 def test_lightning_checkpoints_hold_the_global_model(lightning_runs) -> None:
     _, ckpt = _whole_local_run(lightning_runs)
     saved = torch.load(ckpt, weights_only=False)
-    entry = saved["gradcomp"]
+    entry = gather_parts(ckpt)
     assert entry["ranks"][0]["local"]["outer"]["optimizer_steps"] == 22  # inside the fifth window
     for name, glob in entry["ranks"][0]["local"]["outer"]["global"].items():
         assert torch.equal(saved["state_dict"][name], glob), name
@@ -345,7 +346,7 @@ def test_lightning_checkpoints_hold_the_global_model(lightning_runs) -> None:
 @pytest.mark.multiprocess
 def test_lightning_resumes_inside_a_window_bit_for_bit_on_every_rank(lightning_runs) -> None:
     whole, ckpt = _whole_local_run(lightning_runs)
-    saved = torch.load(ckpt, weights_only=False)["gradcomp"]
+    saved = gather_parts(ckpt)
     assert [rank["local"]["outer"] is not None for rank in saved["ranks"]] == [True, True]
     resumed, _ = lightning_runs("local_resumed", "--epochs", "2", "--validate", "--resume", str(ckpt), *LOCAL)
     for rank in range(2):
@@ -369,7 +370,7 @@ def test_fabric_trains_with_local_updates(fabric_runs) -> None:
         assert torch.equal(runs[1]["params"][key], value), key
     assert "5 synchronisations in 22 optimizer steps" in runs[0]["summary"]
     saved = torch.load(ckpt, weights_only=False)
-    for name, glob in saved["gradcomp"]["ranks"][0]["local"]["outer"]["global"].items():
+    for name, glob in gather_parts(ckpt)["ranks"][0]["local"]["outer"]["global"].items():
         assert torch.equal(saved["model"][name], glob), name
 
 

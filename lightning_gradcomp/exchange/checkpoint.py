@@ -3,12 +3,18 @@
 Both strategies write ``checkpoint["gradcomp"] = {"version", "world_size", "compressor", "ranks"}``,
 where ``ranks[i]`` is worker ``i``'s memory (residuals, compressor state), step and running totals. A
 real N-process run and an N-worker simulation write the same format.
+
+A rank's *part* (:func:`own_entry`) is the same format with only that rank's slot of ``ranks`` filled
+(``None`` elsewhere) and ``"part"`` naming the rank: made without a collective, saved and loaded by each
+rank itself (:func:`save_part`, :func:`load_part`: the Fabric strategies' checkpoints), so that no rank
+holds every rank's residuals and replicas, whatever the number of ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -16,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.exchange.agreement import check_agreement
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 
@@ -69,6 +76,121 @@ def gather_entry(hook_state: Any, compressor: Compressor, local: Optional[dict[s
         raise CheckpointTimeout(CHECKPOINT_TIMEOUT_ADVICE.format(rank=dist.get_rank(), timeout=_timeout_of(group),
                                                                  error=" ".join(str(error).split())[:300])) from error
     return pack(world_size, compressor, gathered, hook_state.layout) if gathered is not None else None
+
+
+def own_entry(hook_state: Any, compressor: Compressor, rank: int, world_size: int,
+              local: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """This rank's part of the checkpoint entry, with no collective: :func:`gather_entry`'s format with only
+    slot ``rank`` of ``ranks`` filled (``None`` in the others) and ``"part": rank``. ``rank`` and
+    ``world_size``: this rank's position among the entry's workers (as the handle's ``load_state_dict``
+    reads it). ``local``: this rank's local-update state, kept as its ``"local"``."""
+    state = hook_state.state_dict()
+    if local is not None:
+        state["local"] = local
+    ranks: list[Optional[dict[str, Any]]] = [None] * world_size
+    ranks[rank] = state
+    return {**pack(world_size, compressor, ranks, hook_state.layout), "part": rank}
+
+
+def parts_stub(part: dict[str, Any]) -> dict[str, Any]:
+    """What the checkpoint itself holds under ``"gradcomp"`` when each rank keeps its part (``part``: this
+    rank's) in a file of its own: no state, the number of parts, so that a load finds them or says they
+    are missing."""
+    return {"version": part["version"], "parts": part["world_size"], "world_size": part["world_size"],
+            "compressor": part["compressor"], "layout": part.get("layout", "flat")}
+
+
+def is_parts_stub(entry: Any) -> bool:
+    return isinstance(entry, dict) and "parts" in entry and "ranks" not in entry
+
+
+def part_file(checkpoint: Any, rank: int) -> Path:
+    """Where global rank ``rank`` keeps its part of a checkpoint's exchange state: in the checkpoint's
+    directory (a sharded checkpoint), else beside its file, as ``<checkpoint>.gradcomp/rank<rank>.pt``. A
+    link (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) leads to the parts of the file it names."""
+    checkpoint = Path(checkpoint).resolve()
+    folder = checkpoint / "gradcomp" if checkpoint.is_dir() else Path(f"{checkpoint}.gradcomp")
+    return folder / f"rank{rank:05d}.pt"
+
+
+def agree_on_the_save(checkpoint: Any, group: Optional[dist.ProcessGroup], caller: str) -> None:
+    """Before the parts are written: every rank of the exchange saves the same checkpoint (a bounded
+    collective: a save called on some ranks only raises
+    :class:`~lightning_gradcomp.exchange.waits.WaitTimeout` naming the absent ranks, instead of waiting in the
+    checkpoint's own barrier for the process group's timeout; ranks saving under different paths, which
+    would scatter the parts, raise :class:`~lightning_gradcomp.exchange.agreement.SettingsMismatch`)."""
+    check_agreement({"checkpoint path": str(checkpoint)}, group, caller=caller)
+
+
+def save_part(checkpoint: Any, rank: int, part: dict[str, Any]) -> None:
+    """Write this rank's part (:func:`own_entry`) of ``checkpoint``, after the checkpoint itself is written (a
+    sharded checkpoint's directory then exists). Every rank writes its own file: nothing is gathered."""
+    path = part_file(checkpoint, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(part, path)
+
+
+def remove_part(checkpoint: Any, rank: int) -> None:
+    """Delete this rank's part of ``checkpoint`` (a checkpoint callback removing an old checkpoint), and the
+    parts' folder once it is empty."""
+    path = part_file(checkpoint, rank)
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:  # other ranks' parts still there, or already removed
+        pass
+
+
+def load_part(checkpoint: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]:
+    """This rank's part of ``checkpoint``'s exchange state, ``None`` when the checkpoint has no parts. A
+    checkpoint of fewer ranks has none for the ranks beyond them: those ranks read the first rank's part,
+    whose ``world_size`` then differs from the run's, so that every rank keeps the counters only, with the
+    warning :func:`restore_entry` gives. A part missing from a checkpoint of as many ranks is refused."""
+    path = part_file(checkpoint, rank)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=False)
+    present = sorted(path.parent.glob("rank*.pt")) if path.parent.is_dir() else []
+    if not present:
+        return None
+    first = torch.load(present[0], map_location="cpu", weights_only=False)
+    if first.get("world_size") == world_size:
+        raise FileNotFoundError(f"gradcomp: {path} is missing: the checkpoint was written by {world_size} ranks, "
+                                f"each with its part of the exchange state in {path.parent}, and only {len(present)} "
+                                "parts are there (copy the checkpoint with its gradcomp folder)")
+    return first
+
+
+def resolve_entry(entry: Optional[dict[str, Any]], checkpoint: Any, rank: int,
+                  world_size: int) -> Optional[dict[str, Any]]:
+    """The entry to restore on global rank ``rank`` from what a checkpoint holds under ``"gradcomp"``: an entry
+    of every rank (written before the parts, or by the simulation) as it is; a :func:`parts_stub`, this rank's
+    part, read from its file (refused, with the reason, when the parts are not there)."""
+    if not is_parts_stub(entry):
+        return entry
+    part = load_part(checkpoint, rank, world_size)
+    if part is None:
+        folder = part_file(checkpoint, rank).parent
+        raise FileNotFoundError(
+            f"gradcomp: the checkpoint {checkpoint} keeps its exchange state (residuals; under local updates each "
+            f"rank's replica and the outer state) in one file per rank, in {folder}, which is not there: copy the "
+            "checkpoint with that folder. To resume without it (residuals from zero, local updates restarting "
+            "their window from the saved model), delete checkpoint['gradcomp'] from the checkpoint first")
+    return part
+
+
+def gather_parts(checkpoint: Any) -> dict[str, Any]:
+    """Every rank's part of ``checkpoint``'s exchange state, merged into one entry of every rank (the format of
+    :meth:`~lightning_gradcomp.exchange.handle.ExchangeHandle.state_dict`): to inspect a checkpoint offline.
+    Reads every part into this process's memory."""
+    folder = part_file(checkpoint, 0).parent
+    parts = [torch.load(path, map_location="cpu", weights_only=False) for path in sorted(folder.glob("rank*.pt"))]
+    if not parts:
+        raise FileNotFoundError(f"gradcomp: no parts of {checkpoint}'s exchange state in {folder}")
+    merged = {key: value for key, value in parts[0].items() if key != "part"}
+    merged["ranks"] = [None] * parts[0]["world_size"]
+    for part in parts:
+        merged["ranks"][part["part"]] = part["ranks"][part["part"]]
+    return merged
 
 
 class CheckpointTimeout(RuntimeError):
@@ -131,20 +253,25 @@ def _timeout_of(group: dist.ProcessGroup) -> str:
 
 
 def restore_entry(saved: dict[str, Any], hook_state: Any, workers: int, compressor: Compressor,
-                  load_worker_states: Callable[[list[dict[str, Any]]], None]) -> None:
+                  load_worker_states: Callable[[list[dict[str, Any]]], None], rank: Optional[int] = None) -> None:
     """Apply a checkpoint entry: every worker's own state when the run has the same number of workers,
     the same compressor and the same exchange layout; otherwise keep only the step counter, the
     running totals and the log of collectives (so a summary prices every step), with a warning that
-    says what is dropped."""
+    says what is dropped. A rank's part (:func:`own_entry`) is refused on another rank (``rank``: the
+    loading rank's position)."""
     check_format(saved)
     name = type(compressor).__name__
     layout = getattr(hook_state, "layout", "flat")
     if saved["world_size"] != workers or saved["compressor"] != name or saved.get("layout", "flat") != layout:
         _warn_on_first_rank(describe_dropped(saved, workers, name, layout))
-        hook_state.restore_counters(max(int(rank.get("step", 0)) for rank in saved["ranks"]),
-                                    mean_totals(saved["ranks"]),
-                                    CollectiveTally.from_state_dict(saved["ranks"][0].get("collectives")))
+        states = saved_states(saved)
+        hook_state.restore_counters(max(int(state.get("step", 0)) for state in states), mean_totals(states),
+                                    CollectiveTally.from_state_dict(states[0].get("collectives")))
         return
+    part = saved.get("part")
+    if part is not None and rank is not None and part != rank:
+        raise ValueError(f"gradcomp: this entry is rank {part}'s part of the exchange state, loaded on rank {rank}: "
+                         "each rank loads its own part (rank_state_dict() on each rank, saved per rank)")
     load_worker_states(saved["ranks"])
     logger.info("gradcomp: restored the compression memory of %d workers of %s (layout %s)", workers, name, layout)
 
@@ -169,16 +296,21 @@ def check_format(saved: dict[str, Any]) -> None:
             "wrote it, or delete checkpoint['gradcomp'] to start the compression memory from zero."
         )
     missing = [key for key in ("world_size", "compressor", "ranks") if key not in saved]
-    if missing or not isinstance(saved.get("ranks"), list) or not saved["ranks"]:
+    if missing or not isinstance(saved.get("ranks"), list) or not saved_states(saved):
         raise ValueError(f"gradcomp: the checkpoint's compression state is damaged (missing or empty: "
                          f"{', '.join(missing) or 'ranks'})")
 
 
+def saved_states(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers' states an entry holds: every worker's, or one rank's in its part."""
+    return [state for state in saved["ranks"] if state is not None]
+
+
 def describe_dropped(saved: dict[str, Any], workers: int, name: str, layout: str = "flat") -> str:
     """What a resume with another number of workers or another compressor drops, and what it keeps."""
-    state_keys = sorted({key for rank in saved["ranks"] for states in rank.get("memory", {}).get("states", {}).values()
+    state_keys = sorted({key for rank in saved_states(saved) for states in rank.get("memory", {}).get("states", {}).values()
                          for key in states})
-    steps = max(int(rank.get("step", 0)) for rank in saved["ranks"])
+    steps = max(int(rank.get("step", 0)) for rank in saved_states(saved))
     dropped = "error-feedback residuals" + (f" and compressor state ({', '.join(state_keys)})" if state_keys else "")
     saved_layout = saved.get("layout", "flat")
     layouts = f" (exchange layout {saved_layout} vs {layout})" if saved_layout != layout else ""

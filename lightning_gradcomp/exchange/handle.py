@@ -24,6 +24,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     CheckpointTimeout,
     forget_checkpoint_group,
     gather_entry,
+    own_entry,
     restore_entry,
 )
 from lightning_gradcomp.exchange.agreement import check_agreement
@@ -156,6 +157,21 @@ class ExchangeHandle:
         ``timeout`` of :func:`register`, naming the fix, instead of hanging."""
         return self._gather_entry()
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's part of :meth:`state_dict`, with no collective: each rank saves its own (a file per rank,
+        or inside a sharded checkpoint's directory) and loads it back with :meth:`load_state_dict`, so that no
+        rank holds every rank's state. The Fabric strategies' ``fabric.save``/``fabric.load`` do this."""
+        return self._own_entry()
+
+    def _own_entry(self, local: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        rank, workers = self._entry_position()
+        return own_entry(self.hook_state, self.compressor, rank, workers, local)
+
+    def _entry_position(self) -> tuple[int, int]:
+        """This rank's index among the checkpoint entry's workers and their number: the exchange group's."""
+        group = self.hook_state.driver.group
+        return dist.get_rank(group), dist.get_world_size(group)
+
     def _gather_entry(self, local: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
         """:func:`~lightning_gradcomp.exchange.checkpoint.gather_entry` over :attr:`checkpoint_group`. After a
         :class:`CheckpointTimeout` the ranks' gathers are out of step for good: every later call raises at
@@ -183,11 +199,10 @@ class ExchangeHandle:
                 "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
                 "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])"
             )
-        workers = dist.get_world_size(self.hook_state.driver.group)
-        rank = dist.get_rank(self.hook_state.driver.group)
+        rank, workers = self._entry_position()
         warn_if_local_updates_entry(state)
         restore_entry(state, self.hook_state, workers, self.compressor,
-                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device), rank)
         self._agree_on_the_restore()
 
     def _agree_on_the_restore(self, position: str = "") -> None:

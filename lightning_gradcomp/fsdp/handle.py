@@ -99,10 +99,14 @@ class FSDPHandle(GradientHandle):
                 f"`state` must be the dict that state_dict() returned on rank 0, got {type(state).__name__}: "
                 "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
                 "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])")
-        rank = dist.get_rank()
-        restore_entry(state, self.hook_state, dist.get_world_size(), self.compressor,
-                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device))
+        rank, workers = self._entry_position()
+        restore_entry(state, self.hook_state, workers, self.compressor,
+                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device), rank)
         self._agree_on_the_restore()
+
+    def _entry_position(self) -> tuple[int, int]:
+        """The entry holds every rank of the world, each its own shard's state."""
+        return dist.get_rank(), dist.get_world_size()
 
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
         """Every rank: each holds the figures of its own shard."""

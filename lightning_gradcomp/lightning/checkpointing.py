@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, restore_entry
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, resolve_entry, restore_entry
 
 
 class RestoresCompressionState:
@@ -19,13 +19,16 @@ class RestoresCompressionState:
     ``_load_worker_states(ranks)``.
     """
 
-    _pending_checkpoint: Optional[dict[str, Any]] = None
+    #: the checkpoint's entry and path, until the exchange of the coming ``fit`` is built
+    _pending_checkpoint: Optional[tuple[dict[str, Any], Any]] = None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``)."""
+        """Keep the entry until the exchange state of the coming ``fit`` is built (``setup``), which restores it
+        (this rank's part, read then from its file, when each rank saved its own)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
-        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        self._pending_checkpoint = None if entry is None else (entry, checkpoint_path)
         return checkpoint
 
     @override
@@ -38,6 +41,8 @@ class RestoresCompressionState:
         super().teardown()  # type: ignore[misc]
 
     def _restore_pending(self) -> None:
-        saved, self._pending_checkpoint = self._pending_checkpoint, None
-        if saved is not None and self.hook_state is not None:
-            restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states)
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is not None and self.hook_state is not None:
+            saved = resolve_entry(*pending, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states,
+                          getattr(self, "global_rank", None))

@@ -1,7 +1,7 @@
 """What both Fabric strategies (``GradCompFabricStrategy``, ``GradCompFabricFSDPStrategy``) do with the exchange
 they hold in ``gradcomp``, written once: its figures and summary, the backward that raises an exchange's own
 error, the inner steps counted for local updates, clipping refused after signs, the exchange state carried
-by ``fabric.save``/``fabric.load``, and the close at teardown.
+by ``fabric.save``/``fabric.load`` (each rank its own part), and the close at teardown.
 
 It imports no Lightning (the strategy modules do, and Lightning's import registers them: a module they both
 import must be complete before that happens).
@@ -15,7 +15,13 @@ import torch
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY
+from lightning_gradcomp.exchange.checkpoint import (
+    agree_on_the_save,
+    CHECKPOINT_KEY,
+    parts_stub,
+    resolve_entry,
+    save_part,
+)
 from lightning_gradcomp.exchange.session import exchange_failures
 from lightning_gradcomp.lightning.options import check_clipping_after_signs
 from lightning_gradcomp.lightning.step_figures import ReportsFigures
@@ -102,30 +108,39 @@ class FabricExchange(ReportsFigures):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Fabric's checkpoint, plus every rank's exchange state under ``"gradcomp"`` (a collective: every
-        rank calls ``fabric.save``); under local updates the model saved is ``θ_global`` (each rank's replica
-        travels in the entry)."""
+        """Fabric's checkpoint, and each rank's part of the exchange state (residuals; under local updates its
+        replica, inner-optimizer and outer state) written by that rank beside it (``<path>.gradcomp/``) or
+        inside a sharded checkpoint's directory (``<path>/gradcomp/``): nothing is gathered on one rank, so
+        the checkpoint's cost per rank does not grow with the number of ranks. Under local updates the model
+        saved is ``θ_global``. Every rank calls ``fabric.save``, as Fabric requires (checked, bounded: a save on
+        some ranks only raises ``WaitTimeout`` after ``GRADCOMP_WAIT_TIMEOUT``, naming the absent ranks)."""
+        part = None
         if self.gradcomp is not None:
             if CHECKPOINT_KEY in state:
                 raise ValueError(f"fabric.save: the key {CHECKPOINT_KEY!r} holds the compression state; "
                                  "allowed: any other name for your own entries")
-            entry = self.gradcomp.state_dict()
-            if entry is not None:
-                state = {**state, CHECKPOINT_KEY: entry}
+            agree_on_the_save(path, self.gradcomp.hook_state._agreement_group, "fabric.save")
+            part = self.gradcomp.rank_state_dict()  # before global_weights(): the replica is this rank's
+            state = {**state, CHECKPOINT_KEY: parts_stub(part)}
         if isinstance(self.gradcomp, LocalUpdateHandle):
             with self.gradcomp.global_weights():
                 super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
-            return
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        else:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)  # type: ignore[misc]
+        if part is not None:
+            save_part(path, self.global_rank, part)  # type: ignore[attr-defined]
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Fabric's load; with a ``state`` dict the exchange state is restored too (now, or when the model is
-        set up) and left out of the returned remainder."""
+        """Fabric's load; with a ``state`` dict this rank's part of the exchange state is restored too (now, or
+        when the model is set up; refused, with the reason, when the checkpoint's parts are missing). A
+        checkpoint written before the parts existed holds every rank's state in its ``"gradcomp"`` entry, read
+        as before. The entry is left out of the returned remainder."""
         remainder = self._load_from_fabric(path, state, strict, weights_only)
         if isinstance(state, dict) and state:
-            entry = remainder.pop(CHECKPOINT_KEY, None)
+            entry = resolve_entry(remainder.pop(CHECKPOINT_KEY, None), path, self.global_rank,  # type: ignore[attr-defined]
+                                  self.world_size)  # type: ignore[attr-defined]
             if entry is not None and self.gradcomp is not None:
                 self.gradcomp.load_state_dict(entry)
             elif entry is not None:

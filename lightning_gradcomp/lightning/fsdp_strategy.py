@@ -16,8 +16,8 @@ Built on Lightning's FSDP2 support (:class:`lightning.pytorch.strategies.ModelPa
 shards the model inside each replica (reduce-scatter and all-gather over the mesh's ``"shard"`` dimension),
 and :func:`~lightning_gradcomp.fsdp.register_fsdp` exchanges each rank's gradient shard with the same
 shard of the other replicas, compressed (the ``"replicate"`` dimension), where native HSDP all-reduces it
-dense. Checkpoints are Lightning's sharded (distributed) checkpoints of the model and optimizer, plus every
-rank's exchange state under ``checkpoint["gradcomp"]``.
+dense. Checkpoints are Lightning's sharded (distributed) checkpoints of the model and optimizer, plus each
+rank's part of the exchange state, written by that rank in the checkpoint's ``gradcomp/`` folder.
 """
 
 from __future__ import annotations
@@ -41,7 +41,15 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.checkpoint import (
+    agree_on_the_save,
+    CHECKPOINT_KEY,
+    DEFAULT_CHECKPOINT_TIMEOUT,
+    parts_stub,
+    remove_part,
+    resolve_entry,
+    save_part,
+)
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
@@ -135,7 +143,8 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             ``False``, or an int: a smaller shard size after forward).
         save_distributed_checkpoint: ``True`` (default): every rank writes its shard of the model and
             optimizer (a checkpoint directory); ``False``: rank 0 writes one file with everything gathered.
-            Either way ``checkpoint["gradcomp"]`` holds every rank's exchange state.
+            Either way each rank writes its own part of the exchange state (in the directory's ``gradcomp/``,
+            or in ``<file>.gradcomp/``).
         process_group_backend: ``None`` (nccl on GPUs, gloo on CPUs) or a backend name.
         timeout: the process group's timeout (a ``timedelta`` or seconds), also the limit of the checkpoint's
             gather of the exchange state.
@@ -381,20 +390,30 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     # ------------------------------------------------------------------ checkpointing
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Lightning's sharded checkpoint, plus every rank's exchange state under ``"gradcomp"`` (gathered on
-        rank 0, which writes the checkpoint's metadata; under local updates also every rank's replica shard,
-        inner-optimizer state and shard of the outer state, for an exact resume in the middle of a window).
-        Every rank calls it, as ``trainer.save_checkpoint`` does."""
+        """Lightning's sharded checkpoint, and each rank's part of the exchange state (its shard's residuals;
+        under local updates its replica shard, inner-optimizer state and shard of the outer state, for an
+        exact resume in the middle of a window) written by that rank in the checkpoint's directory
+        (``gradcomp/``; beside a one-file checkpoint): nothing is gathered on rank 0. Every rank calls it, as
+        ``trainer.save_checkpoint`` does."""
+        part = None
         if self.gradcomp is not None:
-            entry = self.gradcomp.state_dict()  # a collective of every rank
-            if entry is not None:
-                checkpoint[CHECKPOINT_KEY] = entry
+            agree_on_the_save(filepath, self.gradcomp.hook_state._agreement_group, "trainer.save_checkpoint")
+            part = self.gradcomp.rank_state_dict()
+            checkpoint[CHECKPOINT_KEY] = parts_stub(part)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if part is not None:
+            save_part(filepath, self.global_rank, part)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
+        super().remove_checkpoint(filepath)
+        remove_part(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Lightning's load (the model's and optimizers' shards; after ``setup``), then this rank's exchange
-        state from ``"gradcomp"`` when fitting. Another world size or compressor keeps only the counters,
+        state (its part, from its file) when fitting. Another world size or compressor keeps only the counters,
         with a warning."""
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -402,7 +421,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             raise RuntimeError(UNREADABLE_CHECKPOINT.format(path=checkpoint_path)) from error
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is not None and self.gradcomp is not None:
-            self.gradcomp.load_state_dict(entry)
+            self.gradcomp.load_state_dict(resolve_entry(entry, checkpoint_path, self.global_rank, self.world_size))
         return checkpoint
 
 

@@ -20,7 +20,14 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, gather_entry
+from lightning_gradcomp.exchange.checkpoint import (
+    agree_on_the_save,
+    CHECKPOINT_KEY,
+    own_entry,
+    parts_stub,
+    remove_part,
+    save_part,
+)
 from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook, no_communication_hook
@@ -339,13 +346,33 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     # ------------------------------------------------------------------ checkpointing
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Add every rank's residuals and compressor state to the checkpoint (gathered on rank 0)."""
+        """Lightning's checkpoint (written by rank 0), and each rank's part of the exchange state (residuals,
+        compressor state; under local updates its replica, inner-optimizer and outer state) written by that
+        rank beside it, in ``<filepath>.gradcomp/``: nothing is gathered on rank 0."""
+        part = None
         if self.hook_state is not None and dist.is_available() and dist.is_initialized():
             local = self.local_loop.state_dict(self.optimizers) if self.local_loop is not None else None
-            entry = gather_entry(self.hook_state, self.compressor, local)
-            if entry is not None:
-                checkpoint[CHECKPOINT_KEY] = entry
+            agree_on_the_save(filepath, self.hook_state._agreement_group, "trainer.save_checkpoint")
+            part = own_entry(self.hook_state, self.compressor, *self._checkpoint_position(), local)
+            checkpoint[CHECKPOINT_KEY] = parts_stub(part)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if part is not None:
+            save_part(filepath, self.global_rank, part)
+
+    def _checkpoint_position(self) -> tuple[int, int]:
+        """This rank's index among the checkpoint's parts and their number: the ranks of the exchange's
+        checkpoint group (the world; under fault tolerance this replica group's processes, whose exchange
+        group is torchft's and changes with the quorum)."""
+        if isinstance(self.local_loop, FaultTolerantLoop):
+            return self.global_rank, self.world_size
+        group = self.hook_state.checkpoint_group
+        return dist.get_rank(group), dist.get_world_size(group)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
+        super().remove_checkpoint(filepath)
+        remove_part(filepath, self.global_rank)
 
     def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:
         self.hook_state.load_state_dict(ranks[self.global_rank], self.root_device)

@@ -206,6 +206,11 @@ class LocalUpdateHandle(ExchangeHandle):
         taken inside :meth:`global_weights` (``θ_global``; rank 0 alone may do that)."""
         return self._gather_entry(self.loop.state_dict(self.optimizers))
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's part of :meth:`state_dict` (its residuals, replica, inner-optimizer state and outer state),
+        with no collective: each rank saves its own and loads it back with :meth:`load_state_dict`."""
+        return self._own_entry(self.loop.state_dict(self.optimizers))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved)."""
         if not isinstance(state, dict):
@@ -214,8 +219,8 @@ class LocalUpdateHandle(ExchangeHandle):
         rank, workers = self._entry_position()
         restored = []
         ranks = state.get("ranks")
-        if isinstance(ranks, list) and ranks and all(isinstance(entry, dict) and entry.get("local") is None
-                                                     for entry in ranks):
+        saved = [entry for entry in ranks if entry is not None] if isinstance(ranks, list) else []
+        if saved and all(isinstance(entry, dict) and entry.get("local") is None for entry in saved):
             warnings.warn("gradcomp: this checkpoint entry holds no local-update state (it was written by an exchange "
                           "every step: register(), register_fsdp() or a strategy without local_updates=): the window "
                           "starts afresh from the model as loaded, with its residuals and counters", UserWarning,
@@ -227,7 +232,7 @@ class LocalUpdateHandle(ExchangeHandle):
                 self.loop.load_state_dict(ranks[rank]["local"], self.optimizers)
             restored.append(True)
 
-        restore_entry(state, self.hook_state, workers, self.compressor, load)
+        restore_entry(state, self.hook_state, workers, self.compressor, load, rank)
         self._agree_on_the_restore(f", inner step {self.loop.outer.optimizer_steps}")
         if not restored and rank == 0:
             warnings.warn(
@@ -236,11 +241,6 @@ class LocalUpdateHandle(ExchangeHandle):
                 "optimizer's state and the window position. Training goes on from the model as loaded (load the "
                 "checkpoint's model, θ_global, before this call) as if a synchronisation had just happened",
                 UserWarning, stacklevel=2)
-
-    def _entry_position(self) -> tuple[int, int]:
-        """This rank's index in the checkpoint entry and the entry's number of ranks: the exchange group's."""
-        group = self.hook_state.driver.group
-        return dist.get_rank(group), dist.get_world_size(group)
 
 
 class FaultTolerantHandle(LocalUpdateHandle):
