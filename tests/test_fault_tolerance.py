@@ -113,6 +113,31 @@ def test_a_group_lost_during_an_exchange_rolls_the_synchronisation_back_and_the_
     assert all(torch.equal(a, b) for a, b in zip(survivors[0]["params"], survivors[1]["params"]))
 
 
+def test_groups_launched_together_wait_for_each_other_at_a_fresh_start(tmp_path: Path) -> None:
+    """With the lighthouse's min_replicas=1, group 0 alone would form the first quorum and train; with
+    FaultTolerance(expected_groups=2) it waits at step 0 for group 1, started 1 s later: both start from the
+    same quorum (no heal), every synchronisation has both, and they end on the same parameters. (Without it,
+    group 0 ran all 12 steps alone: participants [1, 1, 1, 1].)"""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
+    try:
+        short = ["--steps", "12", "--step-seconds", "0.02", "--expected-groups", "2"]
+        first = _start("0", lighthouse.address(), tmp_path, "int8", *short)
+        time.sleep(1.0)
+        outcomes = [run.wait(timeout=120) for run in (first, _start("1", lighthouse.address(), tmp_path, "int8", *short))]
+    finally:
+        lighthouse.shutdown()
+    for code, output in outcomes:
+        assert code == 0, output[-4000:]
+    groups = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("group[01]-*.pt"))]
+    for result in groups:
+        assert result["first_step"] == 0 and result["heals"] == 0, result
+        assert result["participants"] == [2] * 4 and result["syncs"] == 3 and result["commits"] == 3, result
+    assert all(torch.equal(a, b) for a, b in zip(groups[0]["params"], groups[1]["params"]))
+
+
 def test_row_blocks_split_rows_as_fsdp2_does() -> None:
     """A replica group of DDP processes exchanges row blocks (``torch.chunk`` of dim 0): uneven rows, fewer
     rows than ranks (empty blocks), a 0-d tensor (one row)."""
@@ -301,6 +326,11 @@ def test_refused_without_torchft_and_an_unreachable_lighthouse_is_named_before_t
         from lightning_gradcomp import FaultTolerance
 
         FaultTolerance(lighthouse="127.0.0.1:29510")
+    for bad in (0, True, 2.0, "3"):
+        with pytest.raises(ValueError, match=r"`FaultTolerance.expected_groups` must be None .* an int >= 1"):
+            FaultTolerance(lighthouse="http://127.0.0.1:29510", expected_groups=bad)
+    with pytest.raises(ValueError, match="`FaultTolerance.start_timeout` must be a finite number of seconds > 0"):
+        FaultTolerance(lighthouse="http://127.0.0.1:29510", expected_groups=2, start_timeout=0)
     run_gloo(check_refusals, 1, f"http://127.0.0.1:{free_port()}")
     from lightning_gradcomp import GradCompFabricStrategy, GradCompStrategy
 

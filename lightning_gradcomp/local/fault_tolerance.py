@@ -72,6 +72,13 @@ class FaultTolerance:
         timeout: seconds a collective, a checkpoint transfer or a commit may take.
         quorum_timeout: seconds a synchronisation waits for the quorum to form.
         connect_timeout: seconds to reach the lighthouse and the peers' managers.
+        expected_groups: at a fresh start (every group at step 0), wait until this many replica groups are in
+            the quorum before the first window, at most ``start_timeout`` seconds, so that groups launched
+            together train together. ``None`` (default): the first quorum the lighthouse forms (with its
+            ``--min_replicas 1``, often the first group alone, which then trains a window before the others
+            heal from it). A group that joins a running job does not wait.
+        start_timeout: the most seconds the fresh start waits for ``expected_groups``; then training starts
+            with the groups there, with a warning, and the others join as they come.
     """
 
     lighthouse: Optional[str] = None
@@ -79,9 +86,15 @@ class FaultTolerance:
     timeout: float = 60.0
     quorum_timeout: float = 60.0
     connect_timeout: float = 10.0
+    expected_groups: Optional[int] = None
+    start_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "quorum_timeout", "connect_timeout"):
+        if self.expected_groups is not None and (isinstance(self.expected_groups, bool) or
+                                                 not isinstance(self.expected_groups, int) or self.expected_groups < 1):
+            raise ValueError(f"`FaultTolerance.expected_groups` must be None (no wait at the start) or the number of "
+                             f"replica groups to wait for at a fresh start, an int >= 1, got {self.expected_groups!r}")
+        for name in ("timeout", "quorum_timeout", "connect_timeout", "start_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"`FaultTolerance.{name}` must be a finite number of seconds > 0, got {value!r}")
@@ -330,6 +343,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
     def _join(self) -> None:
         self._take_quorum()  # a group behind the others heals here (_receive_state)
         if self.membership.manager.current_step() == 0:  # a fresh start: every group holds the first's weights
+            self._wait_for_the_expected_groups()
             if self._failed is None:
                 try:  # a barrier: no group commits (its checkpoint server moves on) before every group has healed
                     self.driver.all_reduce(torch.zeros(1))
@@ -348,6 +362,28 @@ class FaultTolerantLoop(LocalUpdateLoop):
         pending = self._begin(fragment, now + merge_in)
         if merge_in == 0:
             self._complete(pending)
+
+    #: seconds between two quorums while a fresh start waits for the expected groups
+    START_POLL_S = 0.25
+
+    def _wait_for_the_expected_groups(self) -> None:
+        """At a fresh start, with ``FaultTolerance(expected_groups=N)``: take quorums again (none committed: the
+        step stays 0) until N groups are in one, at most ``start_timeout`` seconds. Every group that is waiting
+        does the same, so the quorum that holds N holds each of them, and they all go on from it together."""
+        config = self.membership.config
+        if config.expected_groups is None:
+            return
+        deadline, departures = time.monotonic() + config.start_timeout, self.membership.figures.departures
+        while self._participants < config.expected_groups and time.monotonic() < deadline:
+            time.sleep(self.START_POLL_S)
+            self._take_quorum()
+        if self._participants < config.expected_groups:
+            warnings.warn(f"gradcomp: fault tolerance: {self._participants} of the {config.expected_groups} expected "
+                          f"replica groups after start_timeout={config.start_timeout:g} s; training starts with them, "
+                          "and the others join when they come (healing from θ_global)", UserWarning, stacklevel=2)
+        figures = self.membership.figures  # the quorums of the wait are not synchronisations
+        del figures.participants[:-1]
+        figures.departures = departures
 
     @property
     def steps_taken_here(self) -> int:

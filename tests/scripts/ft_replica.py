@@ -40,6 +40,7 @@ def main() -> None:
                         help="leave right after joining the quorum of synchronisation K, before its exchange")
     parser.add_argument("--disagree-in-sync", type=int, default=None,
                         help="claim another fragment in the agreement check of synchronisation K (once)")
+    parser.add_argument("--expected-groups", type=int, default=None, help="FaultTolerance(expected_groups=...)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a longer inner step (the digits MLP's takes 1 ms)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -59,7 +60,8 @@ def main() -> None:
         model, optimizer, args.sync_every, args.compressor, min_compress_numel=256, fragments=args.fragments,
         delay=args.delay,
         fault_tolerance=FaultTolerance(lighthouse=args.lighthouse, replica_id=f"group{args.replica}", timeout=20,
-                                       quorum_timeout=60, connect_timeout=10))
+                                       quorum_timeout=60, connect_timeout=10, expected_groups=args.expected_groups,
+                                       start_timeout=60))
     loop = handle.loop
     if args.die_in_sync is not None:  # the others' exchange of that synchronisation fails: they roll it back
         quorum = loop.membership.quorum
