@@ -123,7 +123,6 @@ def train(fabric: L.Fabric, args: argparse.Namespace, tokens: torch.Tensor, resu
     losses: list[float] = []
     validations: list[tuple[int, float]] = []
     local = args.mode in ("diloco", "sparseloco")
-    evaluation_view: Optional[dict[str, bool]] = None
     started = time.perf_counter()
     for step in range(state["step"], args.steps):
         x, y = batch(tokens, step, fabric.global_rank, args.micro_batch, args.block_size, "train")
@@ -136,17 +135,17 @@ def train(fabric: L.Fabric, args: argparse.Namespace, tokens: torch.Tensor, resu
         state["step"] = step + 1
         losses.append(loss.item())
         if state["step"] % args.eval_every == 0:
-            if args.report and local and evaluation_view is None and state["step"] % args.sync_every:
-                evaluation_view = _evaluation_view(model, fabric.strategy.gradcomp, x)
             validations.append((state["step"], validate(fabric, model, tokens, args)))
             fabric.print(f"step {state['step']}: loss {losses[-1]:.3f}, val {validations[-1][1]:.3f}, "
                          f"{(time.perf_counter() - started) / len(losses) * 1e3:.0f} ms/step")
         if state["step"] % args.save_every == 0:
             fabric.save(out / f"step-{state['step']:06d}.ckpt", state)
     gradcomp = fabric.strategy.gradcomp
+    # (for the tests: what an evaluation pass sees here, inside a window when --steps is not a multiple of H)
+    evaluation_view = _evaluation_view(model, gradcomp, x) if args.report and local else None
     if local:
         gradcomp.sync()  # gradcomp: the last window merged; every rank's model is θ_global
-    summary = gradcomp.summary()
+    summary = gradcomp.summary()  # optional: bytes sent against DDP's, the synchronisations
     fabric.print(summary)
     report = {"losses": losses, "validations": validations, "summary": summary, "from_step": state["step"] - len(losses),
               "totals": gradcomp.totals.state_dict(), "params": _local_params(model)}

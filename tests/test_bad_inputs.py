@@ -182,7 +182,7 @@ def test_a_checkpoint_this_version_cannot_read_is_refused_with_the_reason(entry,
 
     strategy = GradCompSimStrategy(workers=2)
     strategy.hook_state = SimulatedExchange(strategy.compressor, 2)
-    strategy._pending_checkpoint = entry
+    strategy._pending_checkpoint = (entry, "unused.ckpt")  # (the entry, the checkpoint it came from)
     with pytest.raises(ValueError, match=message):
         strategy._restore_pending()
 

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.multiprocess
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "litgpt_pretrain.py"
 DOCS = Path(__file__).parents[1] / "docs"
-#: 12 steps, checkpoint and evaluation at step 6; local updates every 4 steps (step 6 is mid-window)
-COMMON = ["--accelerator", "cpu", "--steps", "12", "--save-every", "6", "--eval-every", "6", "--sync-every", "4",
+#: 14 steps, checkpoints and evaluations at steps 6 and 12; local updates every 4 steps (steps 6 and 14 are
+#: mid-window: the resume, and the evaluation view the example reports before its final sync())
+COMMON = ["--accelerator", "cpu", "--steps", "14", "--save-every", "6", "--eval-every", "6", "--sync-every", "4",
           "--data", str(DOCS)]
 
 
@@ -75,14 +76,14 @@ def test_compressed_hsdp_two_replicas_of_two_shards_resumes_exactly(tmp_path: Pa
 
 def _assert_local_updates(ranks: list[dict]) -> None:
     assert _equal(ranks[0]["params"], ranks[1]["params"])  # the final sync(): every rank on θ_global
-    for rank in ranks:  # step 6 of windows of 4: the evaluation saw θ_global, not the rank's replica
+    for rank in ranks:  # step 14 of windows of 4: the evaluation saw θ_global, not the rank's replica
         assert rank["evaluation_view"] == {"equals_global": True, "equals_replica": False}
 
 
 def test_diloco_resumes_mid_window_exactly(tmp_path: Path) -> None:
     ranks, output = _run(tmp_path, "diloco", "diloco", 2)
     _assert_local_updates(ranks)
-    assert "3 synchronisations in 12 optimizer steps" in output
+    assert "4 synchronisations in 14 optimizer steps" in output  # 3 windows, and the final sync() of 2 steps
     _assert_resumes_exactly(tmp_path, "diloco", 2, ranks)
 
 

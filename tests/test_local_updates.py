@@ -357,6 +357,17 @@ def test_lightning_resumes_inside_a_window_bit_for_bit_on_every_rank(lightning_r
 
 
 @pytest.mark.multiprocess
+def test_lightning_resume_on_another_world_size_says_the_local_state_is_dropped(lightning_runs) -> None:
+    """A checkpoint of 2 ranks resumed on 1: the residuals and the local-update state (replicas, outer state,
+    window) are dropped, and both warnings say so; training goes on from θ_global."""
+    _, ckpt = _whole_local_run(lightning_runs)
+    single, output = lightning_runs("local_single", "--epochs", "2", "--devices", "1", "--resume", str(ckpt), *LOCAL)
+    assert "the residuals are dropped" in output
+    assert "local-update state belongs to another number of workers" in output and "window position" in output
+    assert single[0]["global_step"] > 22
+
+
+@pytest.mark.multiprocess
 def test_fabric_trains_with_local_updates(fabric_runs) -> None:
     """Fabric: one exchange per window, the ranks apart inside a window, the same θ_global after ``sync()``;
     ``fabric.save`` holds θ_global as the model. (Its checkpoint entry is the plain PyTorch handle's, whose

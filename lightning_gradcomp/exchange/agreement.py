@@ -92,6 +92,9 @@ SETTING_ADVICE = {
     "shard layout": "shard the same model over the same mesh on every rank",
     "model": "build the same model on every rank",
     "parameter shapes": "build the same model on every rank",
+    "checkpoint path": "every rank saves the same checkpoint: pass the same path on every rank",
+    "checkpoint parts": "each rank reads its own part of the exchange state from the checkpoint's gradcomp folder: "
+                        "copy the checkpoint with that folder where every rank can read it",
 }
 
 

@@ -94,21 +94,26 @@ def own_entry(hook_state: Any, compressor: Compressor, rank: int, world_size: in
 
 def parts_stub(part: dict[str, Any]) -> dict[str, Any]:
     """What the checkpoint itself holds under ``"gradcomp"`` when each rank keeps its part (``part``: this
-    rank's) in a file of its own: no state, the number of parts, so that a load finds them or says they
-    are missing."""
+    rank's) in a file of its own: no state, the number of parts and the exchange's step when they were
+    written, so that a load finds them, says they are missing, or refuses parts of another save."""
     return {"version": part["version"], "parts": part["world_size"], "world_size": part["world_size"],
-            "compressor": part["compressor"], "layout": part.get("layout", "flat")}
+            "compressor": part["compressor"], "layout": part.get("layout", "flat"), "step": _part_step(part)}
 
 
 def is_parts_stub(entry: Any) -> bool:
     return isinstance(entry, dict) and "parts" in entry and "ranks" not in entry
 
 
+def _part_step(part: dict[str, Any]) -> int:
+    return int(part["ranks"][part["part"]].get("step", 0))
+
+
 def part_file(checkpoint: Any, rank: int) -> Path:
-    """Where global rank ``rank`` keeps its part of a checkpoint's exchange state: in the checkpoint's
-    directory (a sharded checkpoint), else beside its file, as ``<checkpoint>.gradcomp/rank<rank>.pt``. A
-    link (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) leads to the parts of the file it names."""
-    checkpoint = Path(checkpoint).resolve()
+    """Where global rank ``rank`` keeps its part of the checkpoint written at ``checkpoint``: in its directory
+    (a sharded checkpoint), else beside its file, as ``<checkpoint>.gradcomp/rank<rank>.pt``. The path as
+    given, links not followed: a link (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) has no parts of
+    its own, and saving or removing through it must not touch its target's (:func:`load_part` follows it)."""
+    checkpoint = Path(checkpoint).absolute()
     folder = checkpoint / "gradcomp" if checkpoint.is_dir() else Path(f"{checkpoint}.gradcomp")
     return folder / f"rank{rank:05d}.pt"
 
@@ -131,8 +136,8 @@ def save_part(checkpoint: Any, rank: int, part: dict[str, Any]) -> None:
 
 
 def remove_part(checkpoint: Any, rank: int) -> None:
-    """Delete this rank's part of ``checkpoint`` (a checkpoint callback removing an old checkpoint), and the
-    parts' folder once it is empty."""
+    """Delete this rank's part of ``checkpoint`` (a checkpoint callback removing an old checkpoint; a link's
+    target keeps its parts), and the parts' folder once it is empty."""
     path = part_file(checkpoint, rank)
     path.unlink(missing_ok=True)
     try:
@@ -141,12 +146,20 @@ def remove_part(checkpoint: Any, rank: int) -> None:
         pass
 
 
+def has_parts(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` (or, through a link, its target) has a folder of parts."""
+    return part_file(checkpoint, 0).parent.is_dir() or part_file(Path(checkpoint).resolve(), 0).parent.is_dir()
+
+
 def load_part(checkpoint: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]:
-    """This rank's part of ``checkpoint``'s exchange state, ``None`` when the checkpoint has no parts. A
-    checkpoint of fewer ranks has none for the ranks beyond them: those ranks read the first rank's part,
-    whose ``world_size`` then differs from the run's, so that every rank keeps the counters only, with the
-    warning :func:`restore_entry` gives. A part missing from a checkpoint of as many ranks is refused."""
+    """This rank's part of ``checkpoint``'s exchange state (through a link: its target's), ``None`` when the
+    checkpoint has no parts. A checkpoint of fewer ranks has none for the ranks beyond them: those ranks
+    read the first rank's part, whose ``world_size`` then differs from the run's, so that every rank keeps
+    the counters only, with the warning :func:`restore_entry` gives. A part missing from a checkpoint of as
+    many ranks is refused."""
     path = part_file(checkpoint, rank)
+    if not path.parent.is_dir():
+        path = part_file(Path(checkpoint).resolve(), rank)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=False)
     present = sorted(path.parent.glob("rank*.pt")) if path.parent.is_dir() else []
@@ -164,7 +177,8 @@ def resolve_entry(entry: Optional[dict[str, Any]], checkpoint: Any, rank: int,
                   world_size: int) -> Optional[dict[str, Any]]:
     """The entry to restore on global rank ``rank`` from what a checkpoint holds under ``"gradcomp"``: an entry
     of every rank (written before the parts, or by the simulation) as it is; a :func:`parts_stub`, this rank's
-    part, read from its file (refused, with the reason, when the parts are not there)."""
+    part, read from its file (refused, with the reason, when the parts are not there, or when this rank's
+    was written by another save than the checkpoint's)."""
     if not is_parts_stub(entry):
         return entry
     part = load_part(checkpoint, rank, world_size)
@@ -175,7 +189,29 @@ def resolve_entry(entry: Optional[dict[str, Any]], checkpoint: Any, rank: int,
             f"rank's replica and the outer state) in one file per rank, in {folder}, which is not there: copy the "
             "checkpoint with that folder. To resume without it (residuals from zero, local updates restarting "
             "their window from the saved model), delete checkpoint['gradcomp'] from the checkpoint first")
+    if "step" in entry and part.get("world_size") == entry["world_size"] and _part_step(part) != entry["step"]:
+        raise ValueError(
+            f"gradcomp: rank {rank}'s part of the exchange state in {part_file(checkpoint, rank).parent} was written at "
+            f"exchange step {_part_step(part)}, the checkpoint at step {entry['step']}: the parts belong to another save "
+            "(a checkpoint overwritten or copied over another one). Resume from a checkpoint whose folder was written "
+            "with it, or delete checkpoint['gradcomp'] to resume without the exchange state")
     return part
+
+
+def resolve_entry_on_every_rank(entry: Optional[dict[str, Any]], checkpoint: Any, rank: int, world_size: int,
+                                group: Optional[dist.ProcessGroup], caller: str) -> Optional[dict[str, Any]]:
+    """:func:`resolve_entry`, with the ranks agreeing on the outcome first (a bounded collective): a part missing
+    or refused on some ranks only is an error on every rank, naming each rank's outcome, instead of one rank
+    raising while the others wait for it in the next collective."""
+    try:
+        resolved, outcome, failure = resolve_entry(entry, checkpoint, rank, world_size), "read", None
+    except (FileNotFoundError, ValueError) as error:
+        resolved, outcome, failure = None, f"refused: {' '.join(str(error).split())[:300]}", error
+    if is_parts_stub(entry):
+        check_agreement({"checkpoint parts": outcome}, group, caller=caller)
+    if failure is not None:
+        raise failure
+    return resolved
 
 
 def gather_parts(checkpoint: Any) -> dict[str, Any]:
@@ -319,7 +355,8 @@ def describe_dropped(saved: dict[str, Any], workers: int, name: str, layout: str
         f"{saved['compressor']}, this run has {workers} of {name}{layouts}; the residuals are dropped and start "
         "from zero. "
         f"Dropped: every worker's {dropped}. Kept: the step counter ({steps}, so random draws do not repeat), "
-        "the running totals (averaged over the saved workers) and the log of collectives."
+        "the running totals (averaged over the saved workers read: every one from a gathered entry, one from a "
+        "rank's part) and the log of collectives."
     )
 
 

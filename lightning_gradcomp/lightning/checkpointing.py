@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, resolve_entry, restore_entry
+from lightning_gradcomp.exchange.checkpoint import CHECKPOINT_KEY, resolve_entry_on_every_rank, restore_entry
 
 
 class RestoresCompressionState:
@@ -43,6 +43,11 @@ class RestoresCompressionState:
     def _restore_pending(self) -> None:
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         if pending is not None and self.hook_state is not None:
-            saved = resolve_entry(*pending, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+            saved = resolve_entry_on_every_rank(*pending, self.global_rank, self.world_size,  # type: ignore[attr-defined]
+                                                getattr(self.hook_state, "_agreement_group", None), "fit(ckpt_path=...)")
             restore_entry(saved, self.hook_state, self.compression_workers, self.compressor, self._load_worker_states,
                           getattr(self, "global_rank", None))
+            self._after_restore(saved)
+
+    def _after_restore(self, saved: dict[str, Any]) -> None:
+        """What the host adds once ``saved`` is restored (nothing here)."""

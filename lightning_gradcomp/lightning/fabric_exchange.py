@@ -12,14 +12,18 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.checkpoint import (
     agree_on_the_save,
     CHECKPOINT_KEY,
+    has_parts,
+    is_parts_stub,
     parts_stub,
     resolve_entry,
+    resolve_entry_on_every_rank,
     save_part,
 )
 from lightning_gradcomp.exchange.session import exchange_failures
@@ -134,17 +138,23 @@ class FabricExchange(ReportsFigures):
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Fabric's load; with a ``state`` dict this rank's part of the exchange state is restored too (now, or
-        when the model is set up; refused, with the reason, when the checkpoint's parts are missing). A
-        checkpoint written before the parts existed holds every rank's state in its ``"gradcomp"`` entry, read
-        as before. The entry is left out of the returned remainder."""
+        when the model is set up). Its parts missing, a load that resumes training (``state`` holds an optimizer)
+        is refused on every rank, with the reason; a load of the model alone (evaluation, fine-tuning) goes on
+        without them. A checkpoint written before the parts existed holds every rank's state in its
+        ``"gradcomp"`` entry, read as before. The entry is left out of the returned remainder."""
         remainder = self._load_from_fabric(path, state, strict, weights_only)
         if isinstance(state, dict) and state:
-            entry = resolve_entry(remainder.pop(CHECKPOINT_KEY, None), path, self.global_rank,  # type: ignore[attr-defined]
-                                  self.world_size)  # type: ignore[attr-defined]
-            if entry is not None and self.gradcomp is not None:
-                self.gradcomp.load_state_dict(entry)
-            elif entry is not None:
-                self._pending_entry = entry
+            entry = remainder.pop(CHECKPOINT_KEY, None)
+            resuming = any(isinstance(getattr(value, "optimizer", value), Optimizer) for value in state.values())
+            if is_parts_stub(entry) and not resuming and not has_parts(path):
+                return remainder  # the model alone (evaluation, fine-tuning) of a checkpoint copied without its parts
+            if self.gradcomp is not None:
+                entry = resolve_entry_on_every_rank(entry, path, self.global_rank, self.world_size,  # type: ignore[attr-defined]
+                                                    self.gradcomp.hook_state._agreement_group, "fabric.load")
+                if entry is not None:
+                    self.gradcomp.load_state_dict(entry)
+            else:
+                self._pending_entry = resolve_entry(entry, path, self.global_rank, self.world_size)  # type: ignore[attr-defined]
         return remainder
 
     def _load_from_fabric(self, path: Any, state: Optional[Any], strict: bool,

@@ -47,7 +47,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     parts_stub,
     remove_part,
-    resolve_entry,
+    resolve_entry_on_every_rank,
     save_part,
 )
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
@@ -421,7 +421,9 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             raise RuntimeError(UNREADABLE_CHECKPOINT.format(path=checkpoint_path)) from error
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry is not None and self.gradcomp is not None:
-            self.gradcomp.load_state_dict(resolve_entry(entry, checkpoint_path, self.global_rank, self.world_size))
+            self.gradcomp.load_state_dict(resolve_entry_on_every_rank(
+                entry, checkpoint_path, self.global_rank, self.world_size, self.gradcomp.hook_state._agreement_group,
+                "fit(ckpt_path=...)"))
         return checkpoint
 
 

@@ -27,6 +27,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     parts_stub,
     remove_part,
     save_part,
+    saved_states,
 )
 from lightning_gradcomp.ddp.handle import check_reducer
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
@@ -41,6 +42,7 @@ from lightning_gradcomp.lightning.step_figures import (
 )
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
+from lightning_gradcomp.local.handle import LOCAL_STATE_DROPPED
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
@@ -373,6 +375,13 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
         super().remove_checkpoint(filepath)
         remove_part(filepath, self.global_rank)
+
+    def _after_restore(self, saved: dict[str, Any]) -> None:
+        """A checkpoint of local updates whose state was dropped (another number of workers, compressor or
+        layout): say so, as the plain handles do, beyond the residuals :func:`restore_entry` names."""
+        dropped = self.local_loop is not None and self._pending_local is None
+        if dropped and any(state.get("local") is not None for state in saved_states(saved)):
+            rank_zero_warn(LOCAL_STATE_DROPPED)
 
     def _load_worker_states(self, ranks: list[dict[str, Any]]) -> None:
         self.hook_state.load_state_dict(ranks[self.global_rank], self.root_device)

@@ -56,6 +56,14 @@ from lightning_gradcomp.local.fault_tolerance import (
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 
 
+#: the warning of a resume that keeps the counters only (another number of workers, compressor or layout)
+LOCAL_STATE_DROPPED = (
+    "gradcomp: the checkpoint's local-update state belongs to another number of workers, compressor or shard "
+    "layout, so it is dropped too: every worker's replica and inner-optimizer state, the outer optimizer's state "
+    "and the window position. Training goes on from the model as loaded (the checkpoint's model, θ_global) as if "
+    "a synchronisation had just happened")
+
+
 class LocalUpdateHandle(ExchangeHandle):
     """What :func:`local_updates` returns: this rank's outer loop, its figures and checkpoint.
 
@@ -235,12 +243,7 @@ class LocalUpdateHandle(ExchangeHandle):
         restore_entry(state, self.hook_state, workers, self.compressor, load, rank)
         self._agree_on_the_restore(f", inner step {self.loop.outer.optimizer_steps}")
         if not restored and rank == 0:
-            warnings.warn(
-                "gradcomp: the checkpoint's local-update state belongs to another number of workers, compressor or "
-                "shard layout, so it is dropped too: every worker's replica and inner-optimizer state, the outer "
-                "optimizer's state and the window position. Training goes on from the model as loaded (load the "
-                "checkpoint's model, θ_global, before this call) as if a synchronisation had just happened",
-                UserWarning, stacklevel=2)
+            warnings.warn(LOCAL_STATE_DROPPED, UserWarning, stacklevel=2)
 
 
 class FaultTolerantHandle(LocalUpdateHandle):
