@@ -6,8 +6,8 @@ real N-process run and an N-worker simulation write the same format.
 
 A rank's *part* (:func:`own_entry`) is the same format with only that rank's slot of ``ranks`` filled
 (``None`` elsewhere) and ``"part"`` naming the rank: made without a collective, saved and loaded by each
-rank itself (:func:`save_part`, :func:`load_part`: the Fabric strategies' checkpoints), so that no rank
-holds every rank's residuals and replicas, whatever the number of ranks.
+rank itself (:func:`save_part`, :func:`load_part`: the Trainer's and Fabric's strategies' checkpoints), so
+that no rank holds every rank's residuals and replicas, whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -146,9 +146,14 @@ def remove_part(checkpoint: Any, rank: int) -> None:
         pass
 
 
+def _parts_to_read(checkpoint: Any) -> Path:
+    """The checkpoint whose parts a load reads: ``checkpoint`` itself, or through a link its target."""
+    return checkpoint if part_file(checkpoint, 0).parent.is_dir() else Path(checkpoint).resolve()
+
+
 def has_parts(checkpoint: Any) -> bool:
     """Whether ``checkpoint`` (or, through a link, its target) has a folder of parts."""
-    return part_file(checkpoint, 0).parent.is_dir() or part_file(Path(checkpoint).resolve(), 0).parent.is_dir()
+    return part_file(_parts_to_read(checkpoint), 0).parent.is_dir()
 
 
 def load_part(checkpoint: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]:
@@ -157,9 +162,7 @@ def load_part(checkpoint: Any, rank: int, world_size: int) -> Optional[dict[str,
     read the first rank's part, whose ``world_size`` then differs from the run's, so that every rank keeps
     the counters only, with the warning :func:`restore_entry` gives. A part missing from a checkpoint of as
     many ranks is refused."""
-    path = part_file(checkpoint, rank)
-    if not path.parent.is_dir():
-        path = part_file(Path(checkpoint).resolve(), rank)
+    path = part_file(_parts_to_read(checkpoint), rank)
     if path.is_file():
         return torch.load(path, map_location="cpu", weights_only=False)
     present = sorted(path.parent.glob("rank*.pt")) if path.parent.is_dir() else []
@@ -218,7 +221,7 @@ def gather_parts(checkpoint: Any) -> dict[str, Any]:
     """Every rank's part of ``checkpoint``'s exchange state, merged into one entry of every rank (the format of
     :meth:`~lightning_gradcomp.exchange.handle.ExchangeHandle.state_dict`): to inspect a checkpoint offline.
     Reads every part into this process's memory."""
-    folder = part_file(checkpoint, 0).parent
+    folder = part_file(_parts_to_read(checkpoint), 0).parent
     parts = [torch.load(path, map_location="cpu", weights_only=False) for path in sorted(folder.glob("rank*.pt"))]
     if not parts:
         raise FileNotFoundError(f"gradcomp: no parts of {checkpoint}'s exchange state in {folder}")
