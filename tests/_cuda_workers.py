@@ -118,8 +118,8 @@ def check_flat_memory(rank: int, world_size: int, steps: int) -> None:
 
 
 def check_nccl_checkpoint_gathers_on_the_host(rank: int, world_size: int) -> None:
-    """``state_dict()`` on NCCL gathers over a gloo group (nothing staged in GPU memory), and a resumed
-    handle continues exactly like the original."""
+    """``state_dict()`` on NCCL gathers over a gloo group (nothing staged in GPU memory), ``rank_state_dict()``
+    holds host copies, and a handle resumed from either continues exactly like the original."""
     batches = _batches(rank, 8)
 
     def make() -> tuple[nn.Module, Any, Any]:
@@ -141,18 +141,21 @@ def check_nccl_checkpoint_gathers_on_the_host(rank: int, world_size: int) -> Non
     assert dist.get_backend(handle.checkpoint_group) == "gloo"  # the gather runs on the host
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     assert all(t.device.type == "cpu" for r in entry["ranks"] for t in r["memory"]["residuals"].values())
+    part = handle.rank_state_dict()  # this rank's part alone, no collective: host copies too
+    assert all(t.device.type == "cpu" for t in part["ranks"][rank]["memory"]["residuals"].values())
     steps(model, ddp, optimizer, batches[4:])
     handle.close()
 
-    resumed, resumed_ddp, resumed_handle = make()
-    resumed.load_state_dict(saved_model)
-    resumed_handle.load_state_dict(entry)
-    assert all(r.device.type == "cuda" for r in resumed_handle.hook_state.memory.residuals.values())
-    resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05)
-    steps(resumed, resumed_ddp, resumed_optimizer, batches[4:])
-    resumed_handle.close()
-    for (name, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters()):
-        assert torch.equal(a, b), name
+    for saved in (entry, part):  # the gathered entry, and each rank's own part
+        resumed, resumed_ddp, resumed_handle = make()
+        resumed.load_state_dict(saved_model)
+        resumed_handle.load_state_dict(saved)
+        assert all(r.device.type == "cuda" for r in resumed_handle.hook_state.memory.residuals.values())
+        resumed_optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05)
+        steps(resumed, resumed_ddp, resumed_optimizer, batches[4:])
+        resumed_handle.close()
+        for (name, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters()):
+            assert torch.equal(a, b), name
 
 
 def simulate(name: str, device: str, steps: int = 3, workers: int = 2) -> list[dict[str, torch.Tensor]]:
