@@ -419,7 +419,9 @@ def warn_if_local_updates_entry(state: dict[str, Any]) -> None:
     """Warn when an entry that :func:`~lightning_gradcomp.local_updates` wrote (each rank's replica, outer state
     and window) is loaded where gradients are exchanged every step: only its residuals and counters apply."""
     ranks = state.get("ranks")
-    if isinstance(ranks, list) and any(isinstance(entry, dict) and entry.get("local") is not None for entry in ranks):
+    first = not dist.is_initialized() or dist.get_rank() == 0  # every rank loads it: said once
+    if first and isinstance(ranks, list) and any(isinstance(entry, dict) and entry.get("local") is not None
+                                                 for entry in ranks):
         warnings.warn("gradcomp: this checkpoint entry was written under local updates (local_updates(), or a strategy "
                       "with local_updates=): its replicas, outer-optimizer state and window position do not apply to "
                       "an exchange every step and are ignored; its residuals are those of the outer gradients",

@@ -228,7 +228,7 @@ class LocalUpdateHandle(ExchangeHandle):
         restored = []
         ranks = state.get("ranks")
         saved = [entry for entry in ranks if entry is not None] if isinstance(ranks, list) else []
-        if saved and all(isinstance(entry, dict) and entry.get("local") is None for entry in saved):
+        if rank == 0 and saved and all(isinstance(entry, dict) and entry.get("local") is None for entry in saved):
             warnings.warn("gradcomp: this checkpoint entry holds no local-update state (it was written by an exchange "
                           "every step: register(), register_fsdp() or a strategy without local_updates=): the window "
                           "starts afresh from the model as loaded, with its residuals and counters", UserWarning,
