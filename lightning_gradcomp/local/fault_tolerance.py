@@ -368,13 +368,19 @@ class FaultTolerantLoop(LocalUpdateLoop):
 
     def _wait_for_the_expected_groups(self) -> None:
         """At a fresh start, with ``FaultTolerance(expected_groups=N)``: take quorums again (none committed: the
-        step stays 0) until N groups are in one, at most ``start_timeout`` seconds. Every group that is waiting
+        step stays 0) until N groups are in one, for about ``start_timeout`` seconds at most (its polls of
+        ``START_POLL_S``, plus the quorums' own time). Every group that is waiting
         does the same, so the quorum that holds N holds each of them, and they all go on from it together."""
         config = self.membership.config
         if config.expected_groups is None:
             return
-        deadline, departures = time.monotonic() + config.start_timeout, self.membership.figures.departures
-        while self._participants < config.expected_groups and time.monotonic() < deadline:
+        departures = self.membership.figures.departures
+        # counted in polls, not read from each process's clock: the processes of a group take the same quorums
+        # and must stop after the same one (a process that stopped alone would leave the others' next quorum
+        # waiting for it)
+        for _ in range(math.ceil(config.start_timeout / self.START_POLL_S)):
+            if self._participants >= config.expected_groups:
+                break
             time.sleep(self.START_POLL_S)
             self._take_quorum()
         if self._participants < config.expected_groups:
