@@ -320,6 +320,38 @@ def check_refusals(rank: int, world_size: int, unreachable: str) -> None:
     assert time.monotonic() - began < 30
 
 
+def check_a_start_without_the_expected_groups(rank: int, world_size: int, lighthouse: str) -> None:
+    from torch import nn
+
+    import lightning_gradcomp
+    from lightning_gradcomp import FaultTolerance
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    began = time.monotonic()
+    with pytest.warns(UserWarning, match=r"1 of the 2 expected replica groups after start_timeout=1 s; training starts"):
+        handle = lightning_gradcomp.local_updates(model, optimizer, 2, fault_tolerance=FaultTolerance(
+            lighthouse=lighthouse, replica_id="alone", expected_groups=2, start_timeout=1, timeout=5, quorum_timeout=5))
+    assert 1 <= time.monotonic() - began < 20
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert handle.fault_tolerance.participants == [1, 1] and handle.loop.outer.syncs == 1  # the join, one window
+    handle.close()
+
+
+def test_a_fresh_start_without_the_expected_groups_starts_after_its_timeout_and_says_so() -> None:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1500)
+    try:
+        run_gloo(check_a_start_without_the_expected_groups, 1, lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+
+
 def test_refused_without_torchft_and_an_unreachable_lighthouse_is_named_before_training() -> None:
     pytest.importorskip("torchft")
     with pytest.raises(ValueError, match="lighthouse"):
