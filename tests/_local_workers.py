@@ -207,6 +207,17 @@ def check_the_global_model_and_the_final_sync(rank: int, world_size: int) -> Non
         model(x)  # a forward pass in train mode (it updates BatchNorm's statistics): the replica again
     for name, value in model.named_parameters():
         assert torch.equal(value, replica[name]), f"the replica is back after the evaluation: {name}"
+    # the same through torch.compile (LitGPT compiles its model): the rule's hook leaves the graph and runs at
+    # every call (traced into the graph, it ran once, when compiling, and evaluation saw the replica)
+    compiled = torch.compile(model, backend="eager")
+    compiled.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), on_global), "a compiled evaluation sees θ_global"
+    compiled.train()
+    with torch.no_grad():
+        compiled(x)
+    for name, value in model.named_parameters():
+        assert torch.equal(value, replica[name]), f"the replica is back after the compiled evaluation: {name}"
     model.eval()
     with torch.no_grad():
         model(x)  # evaluating when the window ends: sync() takes the replica's steps, not θ_global

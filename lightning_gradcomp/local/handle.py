@@ -91,11 +91,14 @@ class LocalUpdateHandle(ExchangeHandle):
         # (prepended: before FSDP2's own pre-hook gathers the root's parameters)
         self._evaluation_hook = loop.module.register_forward_pre_hook(self._before_forward, prepend=True)
 
+    @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
         """A forward pass of the model (not of a copy, which carries the hook too): in eval mode without
-        gradients it evaluates, and sees θ_global; otherwise the replica (nothing happens inside a compiled
-        graph, where the replica stays)."""
-        if module is self.loop.module and not torch.compiler.is_compiling():
+        gradients it evaluates, and sees θ_global; otherwise the replica. Never compiled: a ``torch.compile``'d
+        model (LitGPT's default) leaves the graph here and runs it at every call (traced into the graph, it ran
+        once, when compiled, and evaluation saw the replica); the compiled code reads the parameters it is
+        then given. (``fullgraph=True`` refuses that break: evaluate inside ``global_weights()`` there.)"""
+        if module is self.loop.module:
             self.loop.follow_forward(not module.training and not torch.is_grad_enabled())
 
     @property
