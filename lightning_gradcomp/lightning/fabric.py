@@ -186,7 +186,8 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
             self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
                                    options.min_compress_numel, options.seed, group=ddp.process_group,
                                    global_device=self.global_device)
-            # fabric.save on some ranks only: CheckpointTimeout after this, not the process group's timeout
+            # the handle's own state_dict() (gathered; fabric.save writes parts instead) called on some ranks
+            # only: CheckpointTimeout after this, not the process group's timeout
             self.gradcomp.checkpoint_group = checkpoint_group(ddp.process_group, DEFAULT_CHECKPOINT_TIMEOUT)
             ddp.register_comm_hook(None, no_communication_hook)
         else:

@@ -197,7 +197,7 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
         self.gradcomp = attach_sharded_exchange(
             module, self.device_mesh, options.compressor, self.local_updates, self.fault_tolerance, self.global_device,
             error_feedback=options.error_feedback, min_compress_numel=options.min_compress_numel, seed=options.seed,
-            timeout=DEFAULT_CHECKPOINT_TIMEOUT)  # fabric.save on some ranks only: CheckpointTimeout after 5 minutes
+            timeout=DEFAULT_CHECKPOINT_TIMEOUT)  # the handle's state_dict() on some ranks only: 5 minutes
         self.gradcomp.hook_state.telemetry = self.telemetry
         if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.counted_by_strategy = "GradCompFabricFSDPStrategy(local_updates=...)"
