@@ -267,3 +267,38 @@ def check_a_non_finite_outer_gradient_is_skipped(rank: int, world_size: int) -> 
     for glob, was, local in zip(handle.loop.outer.global_params, before, handle.loop.params):
         assert torch.equal(glob, was) and torch.equal(local, was)
     handle.close()
+
+
+def check_time_boxed_windows_on_shards(rank: int, world_size: int) -> None:
+    """Replica 1 (ranks 2, 3) at a third of replica 0's speed under window_seconds='auto': each replica's two shards
+    take the same number of inner steps (FSDP2's collectives inside the replica would hang otherwise), replica 0
+    more than replica 1, and both end at the same synchronisation with the same θ_global."""
+    import time
+
+    mesh = _mesh()
+    replica = mesh["replicate"].get_local_rank()
+    model = _shard(_model(), mesh["shard"])
+    optimizer = _inner_optimizer(model.parameters())
+    handle = lightning_gradcomp.local_updates(model, optimizer, 4, "int8", mesh=mesh, outer_optimizer=_outer,
+                                              min_compress_numel=64, window_seconds="auto")
+    handle.run_for(40)
+    steps = 0
+    while not handle.finished:
+        x, y = _batch(steps, rank)
+        nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.01 if replica == 0 else 0.03)
+        optimizer.step()
+        optimizer.zero_grad()
+        steps += 1
+    handle.sync()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([steps]))
+    counts = [int(count) for count in counts]
+    assert counts[0] == counts[1] and counts[2] == counts[3], counts
+    # (4 processes on 2 cores: FSDP2's own collectives take a share of every step, so less than 3x apart)
+    assert counts[0] == 40 and 0.15 * (counts[0] - 4) <= counts[2] - 4 <= 0.85 * (counts[0] - 4), counts
+    flat = torch.cat([glob.reshape(-1) for glob in handle.loop.outer.global_params])
+    theirs = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(theirs, flat, group=mesh["replicate"].get_group())
+    assert torch.equal(theirs[0], theirs[1])
+    handle.close()

@@ -52,7 +52,7 @@ from lightning_gradcomp.exchange.checkpoint import (
 )
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.fsdp.handle import FSDPHandle
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
 from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_divides: tests import it here
     attach_sharded_exchange,
     check_auto_wrap_policy,
@@ -84,7 +84,7 @@ from lightning_gradcomp.lightning.step_figures import (
 )
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
@@ -360,8 +360,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         loop = self.outer_loop
         if loop is not None:
             loop.step()
-            if isinstance(loop, FaultTolerantLoop):
-                stop_at_the_groups_step(self.lightning_module.trainer, loop)
+            stop_at_the_runs_end(self.lightning_module.trainer, loop)
         if self.gradcomp is not None:
             self._record_step(self.gradcomp.hook_state)
             if self.log_stats:

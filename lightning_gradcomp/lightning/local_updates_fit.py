@@ -25,12 +25,15 @@ Callbacks that run inside a training batch (``on_train_batch_start`` / ``_end``,
 
 from __future__ import annotations
 
+import math
+
 from contextlib import ExitStack
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_gradcomp.local.loop import ScheduledSyncs
@@ -77,6 +80,8 @@ class ShowsGlobalModel:
             self._end_callback = _GlobalModelFirst(self)
             self._callbacks = trainer.callbacks
             self._callbacks.insert(0, self._end_callback)
+        if self._fitting_locally:
+            keep_the_batches_free_of_collectives(trainer)
 
     def finish_local_updates(self) -> None:
         """The end of ``fit``: the final synchronisation (a collective, on every rank; once). If it fails,
@@ -156,8 +161,36 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def stop_at_the_groups_step(trainer: Any, loop: Any) -> None:
-    """A replica group that joined a running job continues from the others' step count: it stops with them,
-    when the outer loop's count reaches ``max_steps``."""
-    if trainer is not None and trainer.max_steps > 0 and loop.outer.optimizer_steps >= trainer.max_steps:
+def keep_the_batches_free_of_collectives(trainer: Any) -> None:
+    """Under local updates nothing should cross the network between two synchronisations, but Lightning (2.5
+    and later) broadcasts rank 0's SIGTERM flag to every rank before each training batch: a collective per
+    step, a round trip on a slow link, and a barrier that ties every group to the slowest one's pace (time-boxed
+    windows could not let the groups take different numbers of steps). The Trainer's epoch loop checks this
+    rank's own flag instead: a rank that receives SIGTERM stops, and the others learn it at the next
+    synchronisation (its collective fails on every rank). (Lightning's method is replaced on this Trainer's
+    loop only; a Lightning without it is left alone.)"""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        return
+
+    def check_this_ranks_sigterm() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = check_this_ranks_sigterm
+
+
+def stop_at_the_runs_end(trainer: Any, loop: Any) -> None:
+    """After each inner step: stop the Trainer where the run ends for this group. A replica group that joined a
+    running fault-tolerant job continues from the others' step count: it stops with them, when the outer loop's
+    count reaches ``max_steps``. Under time-boxed windows (``window_seconds``) the groups take different numbers
+    of steps: the loop is told this Trainer's length (``trainer.estimated_stepping_batches``) at the first step,
+    and every group stops at the end they planned together (:attr:`~lightning_gradcomp.local.outer.OuterModel.finished`)."""
+    if trainer is None:
+        return
+    if loop.outer.time_boxed and loop.clock.total_steps is None:
+        total = trainer.estimated_stepping_batches
+        if math.isfinite(total):
+            loop.clock.run_for(int(total))
+    if (trainer.max_steps > 0 and loop.outer.optimizer_steps >= trainer.max_steps) or loop.finished:
         trainer.should_stop = True

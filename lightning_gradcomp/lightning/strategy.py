@@ -34,7 +34,7 @@ from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierar
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook, no_communication_hook
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_groups_step
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
 from lightning_gradcomp.lightning.step_figures import (
     KeepsBatchFigures,
     log_at_synchronisations,
@@ -313,8 +313,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.local_loop is not None:
             self.local_loop.step()
-            if isinstance(self.local_loop, FaultTolerantLoop):
-                stop_at_the_groups_step(self.lightning_module.trainer, self.local_loop)
+            stop_at_the_runs_end(self.lightning_module.trainer, self.local_loop)
         if self.hook_state is not None:
             self._record_step(self.hook_state)
             if self.log_stats:

@@ -39,6 +39,8 @@ def local_updates(
     delay: int = 0,
     alpha: float = 0.0,
     overlap: str = "after",
+    window_seconds: Union[None, float, str] = None,
+    weight_by: Optional[str] = "samples",
     error_feedback: Optional[bool] = None,
     min_compress_numel: int = 1024,
     seed: int = 0,
@@ -64,9 +66,11 @@ def local_updates(
             (a step post-hook), so the loop needs no :meth:`LocalUpdateHandle.step` call; a loop that calls it
             after every iteration, as before (needed with a ``GradScaler``, which may skip a rank's step),
             takes the counting over at its first call.
-        sync_every, outer_optimizer, fragments, delay, alpha, overlap: see
+        sync_every, outer_optimizer, fragments, delay, alpha, overlap, window_seconds, weight_by: see
             :class:`~lightning_gradcomp.local.config.LocalUpdates` (``fragments``, ``delay``, ``alpha``,
-            ``overlap``: Streaming DiLoCo).
+            ``overlap``: Streaming DiLoCo; ``window_seconds``: time-boxed windows, with
+            :meth:`~lightning_gradcomp.local.handle.LocalUpdateHandle.run_for` and ``finished``; ``weight_by``:
+            each rank's outer gradient weighted by its samples, :meth:`~lightning_gradcomp.local.handle.LocalUpdateHandle.count`).
         compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
             :class:`~lightning_gradcomp.GradCompStrategy` (default: uncompressed, DiLoCo).
         telemetry: also measure the compression error and time.
@@ -98,7 +102,7 @@ def local_updates(
     optimizers = check_optimizers(optimizers)
     check_steps_the_model(optimizers[0], bare)
     refuse_a_second_exchange(bare, "local_updates()")
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap)
+    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap, window_seconds, weight_by)
     exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
                 "telemetry": telemetry, "timeout": timeout, "global_device": global_device}
     handle: LocalUpdateHandle

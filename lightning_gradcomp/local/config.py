@@ -60,6 +60,12 @@ Fragments = Union[int, Sequence[Union[FragmentEntry, Sequence[FragmentEntry]]]]
 #: ``overlap``: where the ``delay`` overlapped inner steps lie relative to a fragment's step (1 below)
 OVERLAPS = ("after", "before")
 
+#: ``weight_by``: what each group's outer gradient is weighted by when merged (``None``: equally)
+WEIGHTS = ("samples", "tokens", None)
+
+#: ``window_seconds``: derive the window's length from ``sync_every`` and the first window's step times
+AUTO_WINDOW = "auto"
+
 #: DiLoCo's outer optimizer (Douillard et al. 2023, §3): SGD with Nesterov momentum
 DILOCO_OUTER_LR = 0.7
 DILOCO_OUTER_MOMENTUM = 0.9
@@ -133,6 +139,17 @@ class LocalUpdates:
         alpha: ``α`` in ``[0, 1]``, the share of the worker's own parameters kept when a result is merged
             (0: every worker continues from the global parameters, dropping its ``τ`` overlapped steps'
             progress on that fragment).
+        window_seconds: time-boxed windows (:mod:`~lightning_gradcomp.local.windows`, after Decoupled DiLoCo):
+            ``None`` (default): lock-step, every group takes ``sync_every`` inner steps per window. A number of
+            seconds, or ``"auto"`` (the time the fastest group took per step in the first window, times
+            ``sync_every``): each group takes as many inner steps as fit in that window at its own measured
+            speed, so that a slow group no longer holds up the others; the ranks of a group take the same
+            number. The first window is lock-step (it measures the speeds).
+        weight_by: what each group's outer gradient is weighted by in the merge, ``Δ = Σ_m w_m·Δ_m`` with
+            ``w_m = n_m / Σ n``: ``"samples"`` (default: the inner steps it took, or the samples reported with
+            :meth:`~lightning_gradcomp.local.handle.LocalUpdateHandle.count`), ``"tokens"`` (reported with
+            ``count(tokens)`` on every inner step), or ``None`` (equal weights, the plain average). Equal
+            counts give weights of exactly 1: a lock-step run is the same bit for bit.
 
     Between two synchronisations nothing is communicated: no gradient all-reduce and no buffer
     broadcast. At a synchronisation floating-point buffers (BatchNorm statistics) are averaged, dense
@@ -145,6 +162,8 @@ class LocalUpdates:
     delay: int = 0
     alpha: float = 0.0
     overlap: Literal["after", "before"] = "after"
+    window_seconds: Union[None, float, Literal["auto"]] = None
+    weight_by: Optional[Literal["samples", "tokens"]] = "samples"
 
     def __post_init__(self) -> None:
         check_int(self.sync_every, "sync_every", 1)
@@ -167,6 +186,21 @@ class LocalUpdates:
                              f"lr=1.0); got {self.outer_optimizer!r}")
         if self.outer_optimizer is not None:
             check_outer_optimizer(self.outer_optimizer)
+        window = self.window_seconds
+        if window is not None and window != AUTO_WINDOW and (
+                isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window < math.inf):
+            raise ValueError("`window_seconds` must be None (lock-step windows of `sync_every` inner steps), a number "
+                             "of seconds > 0 (each group takes the inner steps that fit), or 'auto' (sync_every "
+                             f"times the fastest group's step time in the first window); got {window!r}")
+        if self.weight_by not in WEIGHTS:
+            raise ValueError("`weight_by` must be 'samples' (each group's outer gradient weighted by the samples it "
+                             "processed in the window: its inner steps, or what handle.count() reported), 'tokens' "
+                             f"(reported with handle.count(tokens)) or None (equal weights); got {self.weight_by!r}")
+
+    @property
+    def time_boxed(self) -> bool:
+        """Whether each group takes the inner steps that fit in a time box (``window_seconds``)."""
+        return self.window_seconds is not None
 
     def settings(self) -> dict[str, str]:
         """What of the schedule shapes the exchange, as text the same on every rank (the ranks of an exchange
@@ -174,9 +208,14 @@ class LocalUpdates:
         fragments = self.fragments if isinstance(self.fragments, int) else [
             [entry if isinstance(entry, str) else type(entry).__name__ for entry in fragment]
             for fragment in self.fragments]
-        return {"sync_every": str(self.sync_every), "fragments": str(fragments), "delay": str(self.delay),
-                "alpha": str(self.alpha), "overlap": self.overlap,
-                "outer_optimizer": describe_optimizer_factory(self.outer_optimizer)}
+        settings = {"sync_every": str(self.sync_every), "fragments": str(fragments), "delay": str(self.delay),
+                    "alpha": str(self.alpha), "overlap": self.overlap,
+                    "outer_optimizer": describe_optimizer_factory(self.outer_optimizer)}
+        if self.time_boxed:  # the defaults add nothing: the settings of earlier runs compare as they did
+            settings["window_seconds"] = str(self.window_seconds)
+        if self.weight_by != "samples":
+            settings["weight_by"] = str(self.weight_by)
+        return settings
 
     @property
     def fragment_count(self) -> int:

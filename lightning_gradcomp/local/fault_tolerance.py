@@ -23,6 +23,14 @@ the other groups, and the averages are broadcast inside the group, so the bytes 
 model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
 model's ranks each exchange their shard (:class:`~lightning_gradcomp.local.sharded.FaultTolerantShardedLoop`).
 
+The grace period: a group that is alive but late (a stall, a slow machine) is left out of a synchronisation
+after the lighthouse's ``--join_timeout_ms``: once ``--min_replicas`` groups asked for the quorum, the lighthouse
+waits that long for the others that still heartbeat, then forms the quorum without them, so the others never
+wait longer than that. The late group's window is dropped: at its next quorum it is behind the others and
+heals from them (θ_global, the outer state and the schedule position, merging with weight 0 at once), then
+takes part again. With time-boxed windows (``LocalUpdates(window_seconds=...)``) set ``--join_timeout_ms`` to
+a fraction of the window.
+
 A group that leaves takes its error-feedback residuals and compressor state with it; a group that joins
 starts with fresh ones. The sums and rescaling are the engine's, so every compressor works. Torchft's own
 ``DiLoCo`` ends bit for bit where ours does without faults (``tests/test_torchft_diloco.py``).
@@ -53,6 +61,7 @@ from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableD
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync
+from lightning_gradcomp.local.windows import group_figures, GroupFigures
 
 #: the command the refusal without torchft names
 INSTALL = 'pip install "lightning-gradcomp[ft]"  (or: pip install torchft)'
@@ -66,7 +75,9 @@ class FaultTolerance:
     Args:
         lighthouse: the lighthouse's address, ``"http://host:port"`` (default: the ``TORCHFT_LIGHTHOUSE``
             environment variable, as torchft's own scripts read it). Start it first:
-            ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``.
+            ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``. Its
+            ``--join_timeout_ms`` is the grace period of a synchronisation: a live group later than that is
+            left out of it, and heals from the others (its late window dropped) at the next one.
         replica_id: this replica group's name, unique among the groups (default: ``REPLICA_GROUP_ID`` from
             the environment, else the host name and process id). A replacement may reuse a dead group's name.
         timeout: seconds a collective, a checkpoint transfer or a commit may take.
@@ -429,6 +440,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self.global_buffers.load_state_dict(state.get("global_buffers"))
         self.adopt_global()
         self.exchange.memory.clear()
+        self.clock.units_since = [0] * self.outer.fragments  # its work since is dropped: it merges with weight 0
         self._received_syncing = tuple(state["syncing"]) if state.get("syncing") is not None else None
 
     # ------------------------------------------------------------------ a synchronisation
@@ -465,22 +477,46 @@ class FaultTolerantLoop(LocalUpdateLoop):
 
     def _agree(self, fragment: int, merge_at: int) -> None:
         """Check that every participant exchanges the same thing now (one small all-gather): the fragment, the
-        elements this rank exchanges and its group's number of processes. Groups of different sizes, or a
-        group joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo
-        aborts the process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback."""
+        elements this rank exchanges, its group's number of processes (and the window under
+        ``window_seconds``), then its group's figures (:mod:`~lightning_gradcomp.local.windows`: the samples
+        behind its outer gradient, its step time, its loop's length). Groups of different sizes, or a group
+        joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo aborts the
+        process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback."""
         members = self.outer.members(fragment)
         if self.blocks is not None:
             rank = dist.get_rank()
             elements = sum(self.blocks[i][rank].stop - self.blocks[i][rank].start for i in members)
         else:
             elements = sum(self.params[i].numel() for i in members)
-        mine = torch.tensor([fragment, elements, dist.get_world_size()], dtype=torch.int64)
+        window = self.outer.windows if self.outer.time_boxed else 0
+        shared = [fragment, elements, dist.get_world_size(), window]
+        mine = torch.tensor([*shared, *self._group_row(fragment, world_collective_device())], dtype=torch.int64)
         everyone = self.driver.all_gather(mine)
-        if not bool((everyone == mine).all()):
+        if not bool((everyone[:, :len(shared)] == mine[:len(shared)]).all()):
             raise CollectiveError(
                 "the replica groups disagree on this synchronisation (rows: fragment, elements exchanged by this "
-                f"rank, processes per group): {everyone.tolist()}; every group needs the same number of processes, "
-                "model, sync_every and fragments")
+                f"rank, processes per group, window): {everyone[:, :len(shared)].tolist()}; every group needs the "
+                "same number of processes, model, sync_every and fragments")
+        self._take_weight(fragment, [group_figures(row[len(shared):]) for row in everyone.tolist()],
+                          self.driver.rank)
+
+    def _take_weight(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> None:
+        """As the loop's, but a group that healed into this synchronisation (no inner step since: its outer
+        gradient is zero) does not make the others' weights unequal: when every group that trained counted
+        alike, the weights stay 1 and the participants' average is taken as before weighting existed (the
+        quorum's size over the participants', :meth:`_merge`), bit for bit."""
+        super()._take_weight(fragment, groups, me)
+        if len({group.units for group in groups if group.units > 0}) <= 1:
+            self.weight, self.weights_equal = 1.0, True
+
+    def _ranks_per_group(self) -> int:
+        return dist.get_world_size() if self.blocks is not None else super()._ranks_per_group()
+
+    def _sum_within_group(self, tensor: torch.Tensor) -> None:
+        if self.blocks is None:
+            super()._sum_within_group(tensor)
+            return
+        dist.all_reduce(tensor)
 
     def _exchanged_elements(self, index: int) -> int:
         if self.blocks is None:
@@ -562,7 +598,10 @@ class FaultTolerantLoop(LocalUpdateLoop):
             self._share_within_group(pending)
         committed = self.membership.should_commit()  # every rank of this group votes, a failed one says no
         if committed and self._failed is None:
-            scale = self.driver.world_size / self._participants  # the engine averaged over the group's size
+            # the engine averaged over the quorum's size; a group that healed into this synchronisation sent a
+            # zero outer gradient: scaled back to the participants' average, unless the weights (by samples, see
+            # local/windows.py: a healed group's are 0) did that already
+            scale = self.driver.world_size / self._participants if self.weights_equal else 1.0
             if scale != 1.0:
                 torch._foreach_mul_(pending.averaged, scale)
             super()._merge(pending)

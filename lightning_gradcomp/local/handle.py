@@ -107,6 +107,34 @@ class LocalUpdateHandle(ExchangeHandle):
         fault-tolerant job starts from its peers')."""
         return self.loop.outer.optimizer_steps
 
+    def count(self, samples: int) -> None:
+        """Report the samples (or, with ``weight_by="tokens"``, the tokens) of the coming inner step, before its
+        optimizer step: each rank's outer gradient is weighted by what it processed in the window
+        (:mod:`~lightning_gradcomp.local.windows`). Optional; without it each inner step counts as one (equal
+        batch sizes); call it on every rank or on none."""
+        self._refuse_after_close("count()")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ValueError(f"count(): `samples` must be an int >= 0 (the samples or tokens of this inner step), "
+                             f"got {samples!r}")
+        self.loop.count(samples)
+
+    def run_for(self, steps: int) -> None:
+        """Say how many inner steps this rank's loop takes in all (from the start, not from now). Needed under
+        time-boxed windows (``window_seconds``), where the groups take different numbers of steps: when the
+        first group's steps are about to run out, every group plans the last window together and
+        :attr:`finished` turns True on every rank at its end; stop the loop then. The Trainer strategies say it
+        themselves."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"run_for(): `steps` must be an int >= 1 (the inner steps this loop takes in all), got "
+                             f"{steps!r}")
+        self.loop.clock.run_for(steps)
+
+    @property
+    def finished(self) -> bool:
+        """Whether a time-boxed run (``window_seconds``) reached the end every group planned (see
+        :meth:`run_for`); always False in lock-step, where each loop ends at its own step count."""
+        return self.loop.finished
+
     def count_optimizer_steps(self, optimizer: Optimizer) -> None:
         """Count an iteration whenever ``optimizer`` steps (``Optimizer.register_step_post_hook``), so that a
         loop cannot forget :meth:`step` (:func:`local_updates` hooks the first inner optimizer). The first

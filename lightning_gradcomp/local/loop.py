@@ -45,6 +45,15 @@ from lightning_gradcomp.local.outer import (
     OuterModel,
     trainable_parameters,
 )
+from lightning_gradcomp.local.windows import (
+    check_figures,
+    combine_within_group,
+    group_figures,
+    GroupFigures,
+    merge_weights,
+    plan_windows,
+    WindowClock,
+)
 
 #: the largest bucket of outer gradients exchanged at once (DDP's default bucket size)
 SYNC_BUCKET_BYTES = 25 * 2**20
@@ -88,6 +97,38 @@ class ScheduledSyncs:
     synced: bool = False
     #: ``θ_global`` shown in the module (:meth:`global_weights`), ``None`` while the replica is
     _view: Optional[Union[SwappedIn, CopiedIn]] = None
+    #: this rank's step times and counts (:mod:`~lightning_gradcomp.local.windows`)
+    clock: WindowClock
+    #: ``weight_by`` of the configuration
+    weight_by: Optional[str] = "samples"
+    #: whether :meth:`sync` (the end of a loop) is running
+    _ending = False
+
+    def _use_figures(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> float:
+        """The groups' figures of a synchronisation (every rank's, from its all-gather): refuse what does not fit
+        (on every rank alike), plan the next time-boxed window at a window's last synchronisation, and return
+        ``M·w`` of group ``me``, the factor of its outer gradient."""
+        problem = check_figures(groups, self.weight_by, self.outer.time_boxed)
+        if problem is not None:
+            raise ScheduleMismatch(f"gradcomp: local updates: {problem}")
+        self.clock.started(fragment)
+        if self.outer.time_boxed and not self._ending and fragment == self.outer.fragments - 1:
+            plan = plan_windows(groups, self.outer.window_seconds, self.outer.sync_every, self.outer.fragments,
+                                self.outer.delay)
+            self.outer.adopt_plan(plan.lengths[me], plan.window_seconds, plan.last, plan.ends_now)
+            self.clock.planned()
+        if self.weight_by is None:
+            return 1.0
+        return merge_weights([group.units for group in groups])[me]
+
+    def count(self, units: int) -> None:
+        """``units`` samples (or tokens) processed by the coming inner step (its outer gradient's weight)."""
+        self.clock.count(units)
+
+    @property
+    def finished(self) -> bool:
+        """Whether a time-boxed run reached its planned end (see :mod:`~lightning_gradcomp.local.windows`)."""
+        return self.outer.finished
 
     @property
     def steps_taken_here(self) -> int:
@@ -152,7 +193,13 @@ class ScheduledSyncs:
         """Count one inner optimizer step; merge the synchronisations due now, start those whose turn it
         is. Whether a synchronisation was merged."""
         self._refuse_inside_the_view("an inner optimizer step (the optimizer stepped θ_global itself)")
+        if self.outer.finished:
+            raise RuntimeError(
+                f"gradcomp: local updates: an inner step after the run's end (inner step {self.outer.ends_at}, planned "
+                "by every group under window_seconds): stop the loop when handle.finished is True (the groups took "
+                "different numbers of steps; the one whose steps ran out first ended the run for all)")
         self._settle_fragments()
+        self.clock.stepped()
         starting = self.outer.count_step()
         now = self.outer.optimizer_steps
         self.synced = False
@@ -162,6 +209,7 @@ class ScheduledSyncs:
             pending = self._begin(fragment, now + self.outer.delay)
             if self.outer.delay == 0:
                 self._complete(pending)
+        self.clock.ready()
         return self.synced
 
     def sync(self) -> bool:
@@ -177,11 +225,15 @@ class ScheduledSyncs:
         self._refuse_inside_the_view("sync()")
         self._settle_fragments()
         self.synced = False
-        for pending in list(self.pending):
-            self._complete(pending)
-        due = [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)]
-        for fragment in due:
-            self._complete(self._begin(fragment, self.outer.optimizer_steps))
+        self._ending = True
+        try:
+            for pending in list(self.pending):
+                self._complete(pending)
+            due = [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)]
+            for fragment in due:
+                self._complete(self._begin(fragment, self.outer.optimizer_steps))
+        finally:
+            self._ending = False
         self.adopt_global()
         return bool(due)
 
@@ -306,6 +358,11 @@ class LocalUpdateLoop(ScheduledSyncs):
         self._record_first_use(module, config)
         self.pending: list[PendingSync] = []
         self.synced = False
+        self.clock = WindowClock(self.outer.fragments)
+        self.weight_by = config.weight_by
+        #: ``M·w`` of this rank's group at the last synchronisation, and whether every group's was 1
+        self.weight = 1.0
+        self.weights_equal = True
         #: each parameter's dtype and device when θ_global was built from it (checked at each synchronisation)
         self._built_as = [(p.dtype, p.device) for p in self._parameters]
 
@@ -326,6 +383,8 @@ class LocalUpdateLoop(ScheduledSyncs):
         indices = self.outer.members(fragment)
         params = self.params
         deltas = self.outer.outer_gradients(params, indices)
+        if self.weight != 1.0:  # Σ_m w_m·Δ_m: the weight applied before compression (see local/windows.py)
+            torch._foreach_mul_(deltas, self.weight)
         pending = PendingSync(fragment, merge_at, [torch.empty_like(delta) for delta in deltas])
         entries = self._exchange_entries(indices, deltas, pending.averaged)
         buckets = sync_buckets(entries)
@@ -352,20 +411,28 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     def _agree(self, fragment: int, merge_at: int) -> None:
         """Before any payload moves, check that every rank of the exchange starts the same synchronisation
-        (one all-gather of three integers per rank: the inner step, the fragment, the elements it exchanges).
-        A rank that called :meth:`sync` alone mid-window, or counted other steps, would otherwise pair its
-        exchange with another one of the others' and train on a silent mix of averages; here every rank
-        raises :class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, naming the ranks out of step."""
+        (one all-gather of a few integers per rank: the inner step, or the window under ``window_seconds``, the
+        fragment, the elements it exchanges, then the figures of :mod:`~lightning_gradcomp.local.windows`: the
+        samples behind its outer gradient, its step time, its loop's length). A rank that called :meth:`sync`
+        alone mid-window, or counted other steps, would otherwise pair its exchange with another one of the
+        others' and train on a silent mix of averages; here every rank raises
+        :class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, naming the ranks out of step. The
+        figures give this rank's weight (:attr:`weight`) and, at a window's last synchronisation, the next
+        time-boxed window."""
         driver = self.exchange.driver
         elements = sum(self.params[i].numel() for i in self.outer.members(fragment))
-        mine = torch.tensor([self.outer.optimizer_steps, fragment, elements], dtype=torch.int64,
-                            device=collective_device(driver.group))
+        position = self.outer.windows if self.outer.time_boxed else self.outer.optimizer_steps
+        device = collective_device(driver.group)
+        figures = self._group_row(fragment, device)
+        mine = torch.tensor([position, fragment, elements, *figures], dtype=torch.int64, device=device)
         arrival = Arrival("local updates' sync()", driver.group, "every rank's step at this synchronisation",
                           "every rank synchronises after the same number of inner steps (a rank that stopped "
                           "early, or is stuck in a collective of its own, holds up the others)")
-        rows = [tuple(row) for row in driver.all_gather(mine, arrival).tolist()]  # between steps, not in a hook
+        gathered = driver.all_gather(mine, arrival).tolist()  # between steps, not in a hook
+        rows = [tuple(row[:3]) for row in gathered]
         if len(set(rows)) > 1:
-            shown = "; ".join(f"rank {rank}: step {step}, fragment {part}, {count:,} elements"
+            unit = "window" if self.outer.time_boxed else "step"
+            shown = "; ".join(f"rank {rank}: {unit} {step}, fragment {part}, {count:,} elements"
                               for rank, (step, part, count) in enumerate(rows))
             late = out_of_step(rows)
             who = "the ranks of the exchange are" if len(late) == len(rows) else \
@@ -375,6 +442,30 @@ class LocalUpdateLoop(ScheduledSyncs):
                 "same point, count every optimizer step on every rank (handle.step() after each one where a "
                 "GradScaler may skip it), load a checkpoint on every rank (load_state_dict() is for each rank), "
                 "and give every rank the same model and fragments")
+        self._take_weight(fragment, [group_figures(row[3:]) for row in gathered], driver.rank)
+
+    def _take_weight(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> None:
+        self.weight = self._use_figures(fragment, groups, me)
+        self.weights_equal = len({group.units for group in groups}) == 1 or self.weight_by is None
+
+    def _group_row(self, fragment: int, device: torch.device) -> list[int]:
+        """This rank's group's figures (:data:`~lightning_gradcomp.local.windows.ROW_FIELDS`): its own, or, where
+        several ranks train one replica (:meth:`_ranks_per_group`), theirs combined with one small all-reduce."""
+        final = self._ending and self.outer.time_boxed
+        figures = self.clock.row(fragment, final, self.outer.left_after_window(self.clock.total_steps))
+        ranks = self._ranks_per_group()
+        if ranks == 1:
+            return figures
+        summed = torch.tensor(figures, dtype=torch.int64, device=device)
+        self._sum_within_group(summed)
+        return combine_within_group(summed.tolist(), ranks)
+
+    def _ranks_per_group(self) -> int:
+        """The ranks that train this rank's replica together (1: this rank alone)."""
+        return 1
+
+    def _sum_within_group(self, tensor: Tensor) -> None:
+        """Sum ``tensor`` over the ranks of this rank's replica (see :meth:`_ranks_per_group`)."""
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
         """What this rank hands the engine: each parameter's flat outer gradient and where its average goes
@@ -422,13 +513,14 @@ class LocalUpdateLoop(ScheduledSyncs):
         with self._replica_shown():
             return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer),
                     "pending": [pending.state_dict() for pending in self.pending],
-                    "global_buffers": self.global_buffers.state_dict()}
+                    "global_buffers": self.global_buffers.state_dict(), "counts": self.clock.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
         self._adopt_saved_fragments(state.get("outer"))
         with self._replica_shown():
             load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
         self.global_buffers.load_state_dict(state.get("global_buffers"))
+        self.clock.load_state_dict(state.get("counts"))
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = [PendingSync.from_state_dict(pending, device) for pending in state.get("pending", [])]
 

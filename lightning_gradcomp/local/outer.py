@@ -76,11 +76,32 @@ class OuterModel:
         #: per fragment, the inner step at which its last exchange started and the one at which it merged
         self.started_at = [0] * self.fragments
         self.merged_at = [0] * self.fragments
+        #: time-boxed windows (``window_seconds``, :mod:`~lightning_gradcomp.local.windows`): each window's
+        #: length is this group's own, planned at the previous window's last synchronisation
+        self.time_boxed = config.time_boxed
+        #: ``W`` in seconds (``window_seconds``; for ``"auto"``, 0 until the first window's plan sets it)
+        self.window_seconds = 0.0 if config.window_seconds in (None, "auto") else float(config.window_seconds)
+        #: the current window: the inner step it started after, its length, and the next one's
+        self.window_start = 0
+        self.window_length = self.sync_every
+        self.next_window_length = self.sync_every
+        #: windows completed so far (the position every group compares at a synchronisation)
+        self.windows = 0
+        #: the inner step at which this group's run ends (planned with the others), ``None`` until planned
+        self.ends_at: Optional[int] = None
 
     @property
     def inner_steps(self) -> int:
         """Inner steps since the last synchronisation of the last fragment (the position in the window)."""
+        if self.time_boxed:
+            return (self.optimizer_steps - self.window_start) % self.window_length
         return self.optimizer_steps % self.sync_every
+
+    @property
+    def finished(self) -> bool:
+        """Whether a time-boxed run reached the end that every group planned together (see
+        :mod:`~lightning_gradcomp.local.windows`)."""
+        return self.ends_at is not None and self.optimizer_steps >= self.ends_at
 
     def members(self, fragment: int) -> list[int]:
         """The indices of the parameters of ``fragment``."""
@@ -92,7 +113,40 @@ class OuterModel:
         later; with ``overlap="before"``, torchft's, after steps ``t ≡ (f+1)·H/F − τ``, merged after steps
         ``t ≡ (f+1)·H/F``)."""
         self.optimizer_steps += 1
+        if self.time_boxed:
+            return self._starting_in_window()
         return self.starting_at(self.optimizer_steps)
+
+    def _starting_in_window(self) -> list[int]:
+        """:meth:`starting_at` of a time-boxed window of this group's own length ``k``: fragment ``f`` after
+        its inner step ``(f+1)·k/F`` (``− τ`` with ``overlap="before"``); the step after the window's last
+        one starts the next window, of the length planned meanwhile."""
+        position = self.optimizer_steps - self.window_start
+        if position > self.window_length:
+            self.window_start += self.window_length
+            self.window_length = self.next_window_length
+            self.windows += 1
+            position = self.optimizer_steps - self.window_start
+        stride = self.window_length // self.fragments
+        lead = self.delay if self.overlap == "before" else 0
+        return [f for f in range(self.fragments) if (f + 1) * stride - lead == position]
+
+    def left_after_window(self, total_steps: Optional[int]) -> int:
+        """The inner steps a loop of ``total_steps`` takes after the current window (``-1``: not said)."""
+        if total_steps is None:
+            return -1
+        return max(0, total_steps - (self.window_start + self.window_length))
+
+    def adopt_plan(self, length: int, window_seconds: float, last: bool, ends_now: bool) -> None:
+        """The plan made at the current window's last synchronisation: this group's next window of ``length``
+        inner steps (``last``: the run ends with it), or the end of the run with the current one."""
+        self.window_seconds = window_seconds
+        if ends_now:
+            self.ends_at = self.window_start + self.window_length
+            return
+        self.next_window_length = length
+        if last:
+            self.ends_at = self.window_start + self.window_length + length
 
     def starting_at(self, step: int) -> list[int]:
         """The fragments whose exchange starts after inner step ``step`` (see :meth:`count_step`)."""
@@ -161,7 +215,9 @@ class OuterModel:
                 "optimizer": cpu_copy(self.optimizer.state_dict()), "optimizer_steps": self.optimizer_steps,
                 "syncs": self.syncs, "sync_every": self.sync_every, "fragments": self.fragments,
                 "overlap": self.overlap, "started_at": list(self.started_at), "merged_at": list(self.merged_at),
-                "fragment_of": list(self.fragment_of)}
+                "fragment_of": list(self.fragment_of),
+                "window": {"seconds": self.window_seconds, "start": self.window_start, "length": self.window_length,
+                           "next": self.next_window_length, "windows": self.windows, "ends_at": self.ends_at}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -191,6 +247,15 @@ class OuterModel:
             saved_steps = state.get(key)
             steps = [int(step) for step in saved_steps] if saved_steps is not None else []
             setattr(self, key, steps if len(steps) == self.fragments else [0] * self.fragments)
+        window = state.get("window")
+        if window is not None and self.time_boxed:
+            self.window_seconds = float(window["seconds"]) if self.window_seconds == 0.0 else self.window_seconds
+            self.window_start, self.window_length = int(window["start"]), int(window["length"])
+            self.next_window_length, self.windows = int(window["next"]), int(window["windows"])
+            self.ends_at = None if window["ends_at"] is None else int(window["ends_at"])
+        elif self.time_boxed:  # a lock-step checkpoint: its windows of sync_every steps, the next one afresh
+            self.windows = self.optimizer_steps // self.sync_every
+            self.window_start = self.windows * self.sync_every
         saved_schedule = (int(state.get("sync_every", self.sync_every)), int(state.get("fragments", self.fragments)),
                           str(state.get("overlap", "after")))
         if saved_schedule != (self.sync_every, self.fragments, self.overlap):

@@ -110,6 +110,12 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
                 f"gradcomp: all_reduce of the outer step's verdict over the replica's shards failed on rank "
                 f"{dist.get_rank(self.shard_group)} of {dist.get_world_size(self.shard_group)}: {error}") from error
 
+    def _ranks_per_group(self) -> int:
+        return dist.get_world_size(self.shard_group)
+
+    def _sum_within_group(self, tensor: Tensor) -> None:
+        self._sum_over_shards(tensor)
+
     @property
     def params(self) -> list[Tensor]:  # type: ignore[override]
         return [local_shard(p) for p in self._parameters]

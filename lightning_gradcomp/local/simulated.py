@@ -14,6 +14,21 @@ user's model, optimizer and training code run unchanged::
         evaluate(model)
     sim.sync()                                  # the end: every replica (and the module) set to θ_global
 
+Heterogeneous workers, reproducibly (``speeds``, ``stalls``): time runs in units of one inner step of a worker
+of speed 1; a worker of speed ``v`` takes ``1/v`` units per step, and a stall adds units to one window. Lock-step
+(``window_seconds=None``): every worker takes ``H`` steps per window, which lasts as long as its slowest worker
+(``max_m H/v_m + stall``). Time-boxed (``window_seconds``: ``"auto"``, ``H/max v`` units, or a number of
+units): a window lasts ``W`` units and worker ``m`` takes ``F·round((W − stall)·v_m/F)`` steps of it, spread over
+the window's ticks (a tick is one step of the fastest worker); the loop asks who steps at each tick::
+
+    sim = SimulatedLocalUpdates(model, [optimizer], LocalUpdates(50, window_seconds="auto"), workers=3,
+                                speeds=(1, 1, 0.5), stalls={2: [(3, 40.0)]})   # worker 2 loses 40 units in window 3
+    for batch in loader:                        # one tick
+        for worker in sim.stepping():           # the workers whose step falls on this tick
+            with sim.worker(worker): ...
+        sim.step()
+    sim.elapsed, sim.samples                    # simulated time units, and each worker's inner steps so far
+
 The synchronisation runs every worker's outer gradient through the same engine as a real rank, with
 the in-process driver (:class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange`), averages the
 buffers in worker order and steps the outer optimizer, so that it matches a real N-process run
@@ -22,9 +37,11 @@ buffers in worker order and steps the outer optimizer, so that it matches a real
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -33,6 +50,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
+from lightning_gradcomp.exchange.agreement import ScheduleMismatch
 from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
 from lightning_gradcomp.local.global_model import GlobalBuffers
 from lightning_gradcomp.local.loop import load_local_state, local_state, PendingSync, ScheduledSyncs
@@ -43,6 +61,10 @@ from lightning_gradcomp.local.outer import (
     OuterModel,
     trainable_parameters,
 )
+from lightning_gradcomp.local.windows import check_figures, GroupFigures, merge_weights, UNBOUNDED, WindowClock
+
+#: ``stalls``: per worker, the windows in which it stalls and for how many time units
+Stalls = Mapping[int, Sequence[tuple[int, float]]]
 
 
 class _Replica:
@@ -65,11 +87,15 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
             :class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange` (default: uncompressed).
         exchange: an exchange to use instead (then the four options above must be left as they are).
+        speeds: each worker's inner steps per time unit (default: all 1; see the module's text).
+        stalls: ``{worker: [(window, units), ...]}``: the windows (counted from 0) in which a worker stalls, and
+            for how many time units.
     """
 
     def __init__(self, module: torch.nn.Module, optimizers: Sequence[Optimizer], config: LocalUpdates,
                  workers: int = 2, compressor: Union[Compressor, str] = "none", error_feedback: Optional[bool] = None,
-                 min_compress_numel: int = 1024, seed: int = 0, exchange: Optional[SimulatedExchange] = None) -> None:
+                 min_compress_numel: int = 1024, seed: int = 0, exchange: Optional[SimulatedExchange] = None,
+                 speeds: Optional[Sequence[float]] = None, stalls: Optional[Stalls] = None) -> None:
         if exchange is None:
             options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
             exchange = SimulatedExchange(options.compressor, workers, options.error_feedback,
@@ -81,8 +107,25 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         self.params = [p for _, p in named]
         self.buffers = list(module.named_buffers())
         self.optimizers = list(optimizers)
-        self.outer = OuterModel(self.names, self.params, config,
+        self.speeds = check_speeds(speeds, exchange.workers)
+        self.stalls = check_stalls(stalls, exchange.workers)
+        self.config = config
+        #: time-boxed: the window in ticks (steps of the fastest worker) and in time units
+        self.window_units = window_units(config, max(self.speeds))
+        ticks = config.sync_every if config.window_seconds in (None, "auto") else max(
+            config.fragment_count, config.fragment_count * round(self.window_units * max(self.speeds) / config.fragment_count))
+        self.outer = OuterModel(self.names, self.params,
+                                dataclasses.replace(config, sync_every=ticks, window_seconds=None),
                                 fragment_of=fragment_assignment(module, self.names, config))
+        self.clock = WindowClock(self.outer.fragments)
+        self.weight_by = config.weight_by
+        #: simulated time units so far, and each worker's inner steps so far
+        self.elapsed = 0.0
+        self.samples = [0] * exchange.workers
+        #: per fragment, each worker's units (inner steps, or what :meth:`count` reported) since its last start
+        self._units = [[0] * exchange.workers for _ in range(self.outer.fragments)]
+        self._reported: list[Optional[int]] = [None] * exchange.workers
+        self._steps_this_window = self._plan_window(0)
         self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
                                                 self.outer.fragment_of, self.outer.fragments)
         self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
@@ -104,6 +147,48 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     @property
     def sync_every(self) -> int:
         return self.outer.sync_every
+
+    # ------------------------------------------------------------------ heterogeneous workers
+    def _stalled(self, worker: int, window: int) -> float:
+        return sum(units for at, units in self.stalls.get(worker, ()) if at == window)
+
+    def _plan_window(self, window: int) -> list[int]:
+        """Each worker's inner steps in ``window``: ``H`` in lock-step, else ``F·round((W − stall)·v/F)``."""
+        if not self.config.time_boxed:
+            return [self.outer.sync_every] * self.workers
+        fragments, ticks = self.outer.fragments, self.outer.sync_every
+        return [min(ticks, fragments * round(max(0.0, self.window_units - self._stalled(worker, window)) * speed
+                                             / fragments))
+                for worker, speed in enumerate(self.speeds)]
+
+    def _window_time(self, window: int) -> float:
+        """A window's simulated duration: ``W`` time-boxed, the slowest worker's ``H/v + stall`` in lock-step."""
+        if self.config.time_boxed:
+            return self.window_units
+        return max(self.outer.sync_every / speed + self._stalled(worker, window)
+                   for worker, speed in enumerate(self.speeds))
+
+    def stepping(self) -> list[int]:
+        """The workers that take an inner step at this tick: every worker in lock-step; time-boxed, worker
+        ``m``'s ``k_m`` steps of the window spread evenly over its ticks."""
+        ticks = self.outer.sync_every
+        tick = self.outer.optimizer_steps % ticks
+        return [worker for worker, steps in enumerate(self._steps_this_window)
+                if (tick + 1) * steps // ticks > tick * steps // ticks]
+
+    def count(self, units: int) -> None:
+        """``units`` samples (or tokens) of the current worker's inner step (inside :meth:`worker`)."""
+        self._reported[self.current] = (self._reported[self.current] or 0) + units
+
+    def step(self) -> bool:
+        """One tick: :meth:`ScheduledSyncs.step`; at a window's end the simulated clock advances and the next
+        window's steps are planned."""
+        synced = super().step()
+        if self.outer.optimizer_steps % self.outer.sync_every == 0:
+            window = self.outer.optimizer_steps // self.outer.sync_every - 1
+            self.elapsed += self._window_time(window)
+            self._steps_this_window = self._plan_window(window + 1)
+        return synced
 
     # ------------------------------------------------------------------ which worker the module holds
     def enter(self, worker: int) -> None:
@@ -129,12 +214,20 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     def worker(self, worker: int) -> Iterator[None]:
         """Run worker ``worker``'s inner step inside; the module holds worker 0 again afterwards."""
         self._refuse_inside_the_view("a simulated worker's step")
+        if self.config.time_boxed and worker not in self.stepping():
+            raise RuntimeError(f"gradcomp: simulated worker {worker} takes no inner step at this tick (its speed "
+                               f"{self.speeds[worker]:g}, time-boxed windows): step the workers of sim.stepping()")
         self.enter(worker)
         try:
             yield
         finally:
             self._keep()
             self.enter(0)
+        units = self._reported[worker]
+        self.samples[worker] += 1
+        for counts in self._units:
+            counts[worker] += 1 if units is None else units
+        self._reported[worker] = None
 
     # ------------------------------------------------------------------ the outer loop (step: ScheduledSyncs)
     @torch.no_grad()
@@ -144,12 +237,21 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         indices = self.outer.members(fragment)
         # the real ranks' agreement on this synchronisation (LocalUpdateLoop._agree), counted alike
         elements = sum(self.params[i].numel() for i in indices)
-        self.exchange.driver.all_gather([torch.tensor([self.outer.optimizer_steps, fragment, elements])
-                                         for _ in range(self.workers)])
+        units = self._units[fragment]
+        groups = [GroupFigures(0, self._ending, count, 0.0, UNBOUNDED) for count in units]
+        self.exchange.driver.all_gather([torch.tensor([self.outer.optimizer_steps, fragment, elements, 0, 0, count,
+                                                       0, UNBOUNDED]) for count in units])
+        problem = check_figures(groups, self.weight_by, time_boxed=False)  # the simulation plans by its speeds
+        if problem is not None:
+            raise ScheduleMismatch(f"gradcomp: local updates: {problem}")
+        weights = merge_weights(units) if self.weight_by is not None else [1.0] * self.workers
+        self._units[fragment] = [0] * self.workers
         names = [self.names[i] for i in indices]
         shapes = {self.names[i]: tuple(self.params[i].shape) for i in indices}
         for worker, replica in enumerate(self.replicas):
             deltas = self.outer.outer_gradients(replica.params, indices)
+            if weights[worker] != 1.0:  # Σ_m w_m·Δ_m, before compression (see local/windows.py)
+                torch._foreach_mul_(deltas, weights[worker])
             self.exchange.add_worker(worker, list(zip(names, deltas)), shapes)
         if self.outer.delay == 0:  # counted with the exchange's step, as a real rank counts it
             self._average_buffers(fragment)
@@ -214,6 +316,9 @@ class SimulatedLocalUpdates(ScheduledSyncs):
                                           self.outer if worker == 0 else None))
             states[0]["pending"] = [pending.state_dict() for pending in self.pending]
             states[0]["global_buffers"] = self.global_buffers.state_dict()
+            states[0]["simulation"] = {"elapsed": self.elapsed, "samples": list(self.samples),
+                                       "units": [list(units) for units in self._units],
+                                       "steps_this_window": list(self._steps_this_window)}
             self.enter(current)
             return states
 
@@ -233,4 +338,49 @@ class SimulatedLocalUpdates(ScheduledSyncs):
             device = self.params[0].device if self.params else torch.device("cpu")
             self.pending = [PendingSync.from_state_dict(pending, device) for pending in states[0].get("pending", [])]
             self.global_buffers.load_state_dict(states[0].get("global_buffers"))
+            simulation = states[0].get("simulation")
+            if simulation is not None:  # absent before time-boxed windows: every worker took every step
+                self.elapsed, self.samples = float(simulation["elapsed"]), list(simulation["samples"])
+                self._units = [list(units) for units in simulation["units"]]
+                self._steps_this_window = list(simulation["steps_this_window"])
             self.enter(current)
+
+
+def check_speeds(speeds: Optional[Sequence[float]], workers: int) -> list[float]:
+    """``speeds``: one finite number > 0 per worker (default: all 1)."""
+    if speeds is None:
+        return [1.0] * workers
+    values = list(speeds) if isinstance(speeds, (list, tuple)) else None
+    if values is None or len(values) != workers or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in values):
+        raise ValueError(f"`speeds` must be {workers} numbers > 0, one per worker (inner steps per time unit), got "
+                         f"{speeds!r}")
+    return [float(v) for v in values]
+
+
+def check_stalls(stalls: Optional[Stalls], workers: int) -> dict[int, list[tuple[int, float]]]:
+    """``stalls``: ``{worker: [(window, units), ...]}`` with workers in range, windows >= 0 and units >= 0."""
+    if stalls is None:
+        return {}
+    allowed = (f"`stalls` must map a worker (0 to {workers - 1}) to a list of (window, time units) pairs, the window "
+               "counted from 0 and the units >= 0")
+    if not isinstance(stalls, Mapping):
+        raise ValueError(f"{allowed}; got {stalls!r}")
+    checked: dict[int, list[tuple[int, float]]] = {}
+    for worker, entries in stalls.items():
+        if not isinstance(worker, int) or not 0 <= worker < workers or not isinstance(entries, (list, tuple)):
+            raise ValueError(f"{allowed}; got {worker!r}: {entries!r}")
+        for entry in entries:
+            if (not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], int)
+                    or entry[0] < 0 or not isinstance(entry[1], (int, float)) or not 0 <= entry[1] < math.inf):
+                raise ValueError(f"{allowed}; got {worker!r}: {entries!r}")
+        checked[worker] = [(int(at), float(units)) for at, units in entries]
+    return checked
+
+
+def window_units(config: LocalUpdates, fastest: float) -> float:
+    """``W`` in simulated time units: ``window_seconds``, or ``H`` steps of the fastest worker (``"auto"``, and
+    lock-step's nominal window)."""
+    if isinstance(config.window_seconds, (int, float)) and not isinstance(config.window_seconds, bool):
+        return float(config.window_seconds)
+    return config.sync_every / fastest

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp" with Fabric)
-from lightning_gradcomp import GradCompFabricStrategy
+from lightning_gradcomp import GradCompFabricStrategy, LocalUpdates
 from lightning_gradcomp.compressors import COMPRESSORS
 from lightning_gradcomp.examples.digits import DigitsDataModule, digits_mlp
 
@@ -33,12 +34,18 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--resume", default=None, help="fabric.load this checkpoint before training")
     parser.add_argument("--local", type=int, default=0, help="local updates: synchronise every LOCAL steps")
+    parser.add_argument("--window-seconds", default=None, help="local updates: time-boxed windows ('auto' or seconds)")
+    parser.add_argument("--slow-rank-sleep", type=float, default=0.0, help="rank 1 sleeps this long per batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     if args.strategy == "gradcomp":
+        local = args.local or None
+        if args.window_seconds is not None:
+            local = LocalUpdates(args.local, window_seconds=args.window_seconds if args.window_seconds == "auto"
+                                 else float(args.window_seconds))
         strategy = GradCompFabricStrategy(compressor=COMPRESSORS[args.compressor](**args.compressor_kwargs),
-                                          local_updates=args.local or None)
+                                          local_updates=local)
     else:
         strategy = "gradcomp" if args.strategy == "gradcomp-by-name" else "ddp"
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -57,11 +64,17 @@ def main() -> None:
     if args.resume:
         fabric.load(args.resume, state)
     steps = []
+    if args.window_seconds is not None:  # the groups take different numbers of steps: say this loop's length
+        fabric.strategy.gradcomp.run_for(args.epochs * len(train))
     for epoch in range(state["epoch"], args.epochs):
         sampler.set_epoch(epoch)
         for x, y in train:
+            if args.window_seconds is not None and fabric.strategy.gradcomp.finished:
+                break  # the run's planned end, the same synchronisation on every rank
             optimizer.zero_grad()
             fabric.backward(F.cross_entropy(model(x), y))
+            if fabric.global_rank == 1:
+                time.sleep(args.slow_rank_sleep)
             optimizer.step()
             if args.strategy != "ddp":
                 stats = fabric.strategy.step_stats
@@ -77,7 +90,7 @@ def main() -> None:
         x, y = data.test_set.tensors
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     result.update({"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-                   "test_acc": accuracy, "steps": steps})
+                   "test_acc": accuracy, "steps": steps, "inner_steps": len(steps)})
     if args.strategy != "ddp":
         handle = fabric.strategy.gradcomp
         result.update(hook_step=handle.hook_state.step, totals=handle.totals.state_dict(),

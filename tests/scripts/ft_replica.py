@@ -42,6 +42,9 @@ def main() -> None:
                         help="claim another fragment in the agreement check of synchronisation K (once)")
     parser.add_argument("--expected-groups", type=int, default=None, help="FaultTolerance(expected_groups=...)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="a longer inner step (the digits MLP's takes 1 ms)")
+    parser.add_argument("--window-seconds", default=None, help="time-boxed windows: 'auto' or seconds")
+    parser.add_argument("--stall", type=float, nargs=2, default=None, metavar=("STEP", "SECONDS"),
+                        help="stall once, for SECONDS, after inner step STEP")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
@@ -58,7 +61,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = lightning_gradcomp.local_updates(
         model, optimizer, args.sync_every, args.compressor, min_compress_numel=256, fragments=args.fragments,
-        delay=args.delay,
+        delay=args.delay, window_seconds=args.window_seconds if args.window_seconds in (None, "auto") else float(args.window_seconds),
         fault_tolerance=FaultTolerance(lighthouse=args.lighthouse, replica_id=f"group{args.replica}", timeout=20,
                                        quorum_timeout=60, connect_timeout=10, expected_groups=args.expected_groups,
                                        start_timeout=60))
@@ -89,7 +92,9 @@ def main() -> None:
         result["global"][loop.outer.syncs] = [glob.detach().clone() for glob in loop.outer.global_params]
 
     keep_global()  # a replacement: θ_global as received and synchronised at its first quorum
-    while handle.optimizer_steps < args.steps:
+    if args.window_seconds is not None:
+        handle.run_for(args.steps)  # the groups take different numbers of steps: the run ends where they plan it
+    while handle.optimizer_steps < args.steps and not handle.finished:
         step = handle.optimizer_steps
         generator = torch.Generator().manual_seed(1000 * step + int(args.replica))
         order = torch.randint(0, len(labels), (32,), generator=generator)
@@ -99,13 +104,17 @@ def main() -> None:
         optimizer.zero_grad()
         result["losses"].append((step + 1, float(loss)))
         time.sleep(args.step_seconds)
+        if args.stall is not None and step + 1 == int(args.stall[0]):
+            time.sleep(args.stall[1])
         if loop.synced:
+            result.setdefault("synced_at", []).append(time.monotonic())
             keep_global()
         if args.die_at is not None and step + 1 == args.die_at:
             os._exit(0)
     figures = handle.fault_tolerance
     result.update(participants=list(figures.participants), commits=figures.commits, rollbacks=figures.rollbacks,
-                  heals=figures.heals, syncs=loop.outer.syncs, summary=handle.summary(),
+                  heals=figures.heals, syncs=loop.outer.syncs, summary=handle.summary(), windows=loop.outer.windows,
+                  finished=handle.finished,
                   params=[p.detach().clone() for p in model.parameters()])
     torch.save(result, f"{args.out}.pt")
     handle.close()

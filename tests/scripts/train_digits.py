@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 
 import lightning as L
@@ -19,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
-from lightning_gradcomp import CollectiveError, GradCompStrategy
+from lightning_gradcomp import CollectiveError, GradCompStrategy, LocalUpdates
 from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionMonitor, DGCWarmup
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.simulation import DistributedOrderBatchSampler, GradCompSimStrategy
@@ -62,6 +63,17 @@ class PeerDies(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == 1 and trainer.global_step == self.step:
             os._exit(3)
+
+
+class SlowLastRank(Callback):
+    """The last rank's batches take ``seconds`` longer (a slower machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == trainer.world_size - 1:
+            time.sleep(self.seconds)
 
 
 class RecordSteps(Callback):
@@ -151,6 +163,8 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true", help="run validation every epoch")
     parser.add_argument("--two-optimizers", action="store_true", help="manual optimization, two optimizers")
     parser.add_argument("--local", type=int, default=0, help="local updates: synchronise every LOCAL steps")
+    parser.add_argument("--window-seconds", default=None, help="local updates: time-boxed windows ('auto' or seconds)")
+    parser.add_argument("--slow-rank-sleep", type=float, default=0.0, help="the last rank sleeps this long per batch")
     parser.add_argument("--peer-dies-at-step", type=int, default=None,
                         help="rank 1 exits at this step; rank 0 prints COLLECTIVE_ERROR and exits 3 on CollectiveError")
     args = parser.parse_args()
@@ -164,7 +178,11 @@ def main() -> None:
         strategy = GradCompSimStrategy(workers=args.simulate, compressor=compressor, local_updates=args.local or None)
         args.devices = 1
     else:
-        strategy = (GradCompStrategy(compressor=compressor, hierarchy=args.hierarchy, local_updates=args.local or None)
+        local = args.local or None
+        if args.window_seconds is not None:
+            window = args.window_seconds if args.window_seconds == "auto" else float(args.window_seconds)
+            local = LocalUpdates(args.local, window_seconds=window)
+        strategy = (GradCompStrategy(compressor=compressor, hierarchy=args.hierarchy, local_updates=local)
                     if args.strategy == "gradcomp" else "ddp")
     recorder = RecordSteps()
     callbacks = [recorder]
@@ -175,6 +193,8 @@ def main() -> None:
                                              thresholds=[0.5, 0.85, 0.99], patience=2, escape_epochs=1))
     if args.warmup_epochs:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
+    if args.slow_rank_sleep:
+        callbacks.append(SlowLastRank(args.slow_rank_sleep))
     if args.peer_dies_at_step is not None:
         callbacks.append(PeerDies(args.peer_dies_at_step))
     if args.save and args.save_at_epoch:
@@ -214,7 +234,7 @@ def main() -> None:
                     "outer", None)
     if outer is not None:
         result.update(global_params=[g.detach().clone() for g in outer.global_params], global_names=outer.names,
-                      syncs=outer.syncs,
+                      syncs=outer.syncs, windows=outer.windows, finished=outer.finished,
                       inner_steps=outer.inner_steps)
     if args.test:
         result["test_acc"] = trainer.test(model, datamodule=data, verbose=False)[0]["test_acc"]
