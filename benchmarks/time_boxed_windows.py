@@ -8,7 +8,10 @@ padded to ``--step-seconds`` (the MLP's own step takes about a millisecond; a re
 cases: *half speed* (the last group's steps take twice as long) and *stall* (equal speeds; the last group stalls
 once, for 10 steps' time, a third of the way in). Modes: ``ddp`` (DistributedDataParallel, its fp32
 all-reduce every step), ``lock-step`` (DiLoCo, every group ``H`` steps per window), ``time-boxed`` (DiLoCo with
-``window_seconds="auto"``: each group the steps that fit, merged weighted by samples). Each loop runs
+``window_seconds="auto"``: each group the steps that fit, merged weighted by samples), and, in the stall case,
+``time-boxed + grace (torchft)``: the same with each group a job of its own under fault tolerance, torchft's
+lighthouse in this process, whose join timeout (``--grace`` seconds) leaves a late group out of a
+synchronisation (its late window dropped; it heals at the next). Each loop runs
 ``--steps`` steps (time-boxed: until the first group's ``--steps`` run out). Printed: the job's samples per
 second, against the sum of the groups' own speeds (each measured alone, without communication), over the whole
 run and after the first window (time-boxed: the lock-step window that measures the speeds), the wall time, and
@@ -32,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,10 @@ from lightning_gradcomp.local.simulated import SimulatedLocalUpdates  # noqa: E4
 
 GROUPS = 3
 BATCH = 32
+#: the time-boxed runs under fault tolerance, whose lighthouse's join timeout is the grace period
+GRACE = "time-boxed + grace (torchft)"
+CASES = [("half speed", "ddp"), ("half speed", "lock-step"), ("half speed", "time-boxed"),
+         ("stall", "ddp"), ("stall", "lock-step"), ("stall", "time-boxed"), ("stall", GRACE)]
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
@@ -78,8 +86,9 @@ def _held_out_loss(model: torch.nn.Module, held_out) -> float:
 
 
 # ---------------------------------------------------------------------- real processes
-def _group(rank: int, port: int, mode: str, case: str, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _group(rank: int, port: int, mode: str, case: str, args: argparse.Namespace, out: str,
+           lighthouse: Optional[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1 + rank if lighthouse else port))
     torch.set_num_threads(1)
     train, held_out = _data()
     pace = args.step_seconds * (2.0 if case == "half speed" and rank == GROUPS - 1 else 1.0)
@@ -107,28 +116,38 @@ def _group(rank: int, port: int, mode: str, case: str, args: argparse.Namespace,
         torch.nn.functional.cross_entropy(solo(x), y).backward()
         time.sleep(max(0.0, pace - (time.perf_counter() - began)))
         own.append(time.perf_counter() - began)
-    dist.init_process_group("gloo", rank=rank, world_size=GROUPS)
+    # under fault tolerance each group is a job of its own, joined by torchft's lighthouse
+    dist.init_process_group("gloo", rank=0 if lighthouse else rank, world_size=1 if lighthouse else GROUPS)
     curve, steps, first_sync = [], 0, None  # first_sync: (seconds, steps) at the end of the first window
+    sync_times: list[float] = []
     if mode == "ddp":
         trained = torch.nn.parallel.DistributedDataParallel(model)
         dist.barrier()
         start = time.perf_counter()
         for steps in range(1, args.steps + 1):
             inner_step(steps - 1, trained)
+            if steps % args.sync_every == 0:
+                sync_times.append(time.perf_counter() - start)
             if steps == args.sync_every:
                 first_sync = (time.perf_counter() - start, steps)
             if steps % args.sync_every == 0 and rank == 0:
                 curve.append((time.perf_counter() - start, _held_out_loss(model, held_out)))
         final = _held_out_loss(model, held_out)
     else:
-        config = {"window_seconds": "auto"} if mode == "time-boxed" else {}
+        config = {"window_seconds": "auto"} if mode.startswith("time-boxed") else {}
+        if lighthouse:
+            config["fault_tolerance"] = lightning_gradcomp.FaultTolerance(
+                lighthouse=lighthouse, replica_id=f"group{rank}", expected_groups=GROUPS, start_timeout=60)
         handle = lightning_gradcomp.local_updates(model, optimizer, args.sync_every, outer_optimizer=OUTER, **config)
         handle.run_for(args.steps)
-        dist.barrier()
+        if not lighthouse:
+            dist.barrier()  # (under fault tolerance the groups start together: expected_groups)
         start = time.perf_counter()
         while not handle.finished and steps < args.steps:
             inner_step(steps, model)
             steps += 1
+            if handle.loop.synced:
+                sync_times.append(time.perf_counter() - start)
             if handle.loop.synced and first_sync is None:
                 first_sync = (time.perf_counter() - start, steps)
             if handle.loop.synced and rank == 0:
@@ -138,37 +157,58 @@ def _group(rank: int, port: int, mode: str, case: str, args: argparse.Namespace,
         final = _held_out_loss(model, held_out)
     elapsed = time.perf_counter() - start
     figures = {"steps": steps, "elapsed": elapsed, "own_rate": BATCH / statistics.median(own), "final": final,
-               "curve": curve, "first_sync": first_sync}
+               "curve": curve, "first_sync": first_sync, "sync_times": sync_times}
     Path(out, f"{mode}-{case}-{rank}.json").write_text(json.dumps(figures))
-    dist.barrier()
+    if lighthouse:
+        handle.close()
+    else:
+        dist.barrier()
     dist.destroy_process_group()
 
 
 def real_processes(args: argparse.Namespace) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as out:
-        for case in ("half speed", "stall"):
-            for mode in ("ddp", "lock-step", "time-boxed"):
-                port = 29_500 + len(results) + int(time.time()) % 500
-                mp.start_processes(_group, args=(port, mode, case, args, out), nprocs=GROUPS, start_method="spawn")
-                groups = [json.loads(Path(out, f"{mode}-{case}-{rank}.json").read_text()) for rank in range(GROUPS)]
-                samples = sum(group["steps"] for group in groups) * BATCH
-                elapsed = max(group["elapsed"] for group in groups)
-                # after the first window (time-boxed: the lock-step one that measures the speeds)
-                after = sum(group["steps"] - group["first_sync"][1] for group in groups) * BATCH
-                since = elapsed - max(group["first_sync"][0] for group in groups)
-                results[(case, mode)] = {"rate": samples / elapsed, "own": sum(group["own_rate"] for group in groups),
-                                         "steady": after / since,
-                                         "elapsed": elapsed, "final": groups[0]["final"], "curve": groups[0]["curve"],
-                                         "steps": [group["steps"] for group in groups]}
+        for case, mode in [(case, mode) for case, mode in CASES if args.case in (None, case)]:
+            port = 29_500 + 10 * len(results) + int(time.time()) % 500
+            server = None
+            if mode == GRACE:
+                from torchft._torchft import LighthouseServer
+
+                server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=round(1000 * args.grace),
+                                          heartbeat_timeout_ms=5000)
+            try:
+                mp.start_processes(_group, args=(port, mode, case, args, out, server and server.address()),
+                                   nprocs=GROUPS, start_method="spawn")
+            finally:
+                if server is not None:
+                    server.shutdown()
+            groups = [json.loads(Path(out, f"{mode}-{case}-{rank}.json").read_text()) for rank in range(GROUPS)]
+            samples = sum(group["steps"] for group in groups) * BATCH
+            elapsed = max(group["elapsed"] for group in groups)
+            # after the first window (time-boxed: the lock-step one that measures the speeds)
+            after = sum(group["steps"] - group["first_sync"][1] for group in groups) * BATCH
+            since = elapsed - max(group["first_sync"][0] for group in groups)
+            # the others' longest wait beyond a usual window: the longest gap between two of their synchronisations
+            # (DDP: every H steps) less the median gap
+            waits = []
+            for group in groups[:-1]:
+                gaps = [b - a for a, b in zip(group["sync_times"], group["sync_times"][1:])]
+                waits.append(max(gaps) - statistics.median(gaps) if gaps else 0.0)
+            results[(case, mode)] = {"rate": samples / elapsed, "own": sum(group["own_rate"] for group in groups),
+                                     "wait": max(waits),
+                                     "steady": after / since,
+                                     "elapsed": elapsed, "final": groups[0]["final"], "curve": groups[0]["curve"],
+                                     "steps": [group["steps"] for group in groups]}
     rows = [[case, mode, str(result["steps"]), f"{result['rate']:.0f}",
              f"{100 * result['rate'] / result['own']:.0f}%", f"{100 * result['steady'] / result['own']:.0f}%",
-             f"{result['elapsed']:.2f}", f"{result['final']:.4f}"]
+             f"{1000 * result['wait']:.0f}", f"{result['elapsed']:.2f}", f"{result['final']:.4f}"]
             for (case, mode), result in results.items()]
     print(f"\n{GROUPS} groups, {args.steps} steps of {args.step_seconds * 1000:.0f} ms, H = {args.sync_every}, "
           "digits MLP, gloo on 127.0.0.1")
     print_table(["case", "mode", "steps per group", "samples/s", "of the groups' own speeds",
-                 "the same after the first window", "wall s", "held-out loss"], rows)
+                 "the same after the first window", "the others' longest extra wait, ms", "wall s", "held-out loss"],
+                rows)
     return results
 
 
@@ -213,7 +253,7 @@ def plot(results: dict, path: str) -> None:
 
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for axis, case in zip(axes, ("half speed", "stall")):
-        for mode in ("ddp", "lock-step", "time-boxed"):
+        for mode in [mode for shown, mode in CASES if shown == case]:
             curve = results[(case, mode)]["curve"]
             axis.plot([t for t, _ in curve], [loss for _, loss in curve], marker=".", label=mode)
         axis.set_title(f"{GROUPS} groups, one {'at half speed' if case == 'half speed' else 'stalling once'}")
@@ -231,6 +271,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--grace", type=float, default=0.2,
+                        help="the grace period of the fault-tolerant runs: the lighthouse's join timeout, seconds")
+    parser.add_argument("--case", choices=["half speed", "stall"], default=None, help="run this case only")
     parser.add_argument("--simulate", action="store_true", help="the deterministic simulation instead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--plot", default=None, help="write loss against wall-clock time to this PNG (matplotlib)")
@@ -239,7 +282,7 @@ def main() -> None:
         simulation(args)
         return
     results = real_processes(args)
-    if args.plot:
+    if args.plot and args.case is None:
         plot(results, args.plot)
 
 

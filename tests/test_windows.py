@@ -290,3 +290,16 @@ def test_a_fabric_loop_says_its_length_and_stops_when_finished(tmp_path) -> None
     assert fast["inner_steps"] == 2 * 22 and 4 < slow["inner_steps"] < fast["inner_steps"] - 8, \
         (fast["inner_steps"], slow["inner_steps"])
     assert all(torch.equal(fast["params"][name], slow["params"][name]) for name in fast["params"])
+
+
+def test_a_group_that_stalls_inside_a_window_ends_it_at_the_deadline(tmp_path) -> None:
+    """Equal speeds, H = 20 (a window of about 0.4 s); the last rank stalls 0.25 s two steps into its second
+    window: it ends that window at the deadline with fewer steps, so the others' synchronisations keep their
+    pace (lock-step would make them wait the stall)."""
+    run_gloo(_window_workers.time_boxed_run, 3, [0.02, 0.02, 0.02], {"sync_every": 20, "window_seconds": "auto"},
+             100, str(tmp_path), (22, 0.25))
+    figures = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert figures[2]["steps"] < figures[0]["steps"] == 100
+    for figure in figures[:2]:
+        gaps = [b - a for a, b in zip(figure["synced_at"], figure["synced_at"][1:])]
+        assert max(gaps) - sorted(gaps)[len(gaps) // 2] < 0.15, gaps  # well under the 0.25 s stall

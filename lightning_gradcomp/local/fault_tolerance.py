@@ -375,7 +375,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
             self._complete(pending)
 
     #: seconds between two quorums while a fresh start waits for the expected groups
-    START_POLL_S = 0.25
+    START_POLL_S = 0.05
 
     def _wait_for_the_expected_groups(self) -> None:
         """At a fresh start, with ``FaultTolerance(expected_groups=N)``: take quorums again (none committed: the

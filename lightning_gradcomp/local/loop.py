@@ -15,6 +15,7 @@ inner steps run, and is merged after them. Nothing is communicated in between.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -200,6 +201,8 @@ class ScheduledSyncs:
                 "different numbers of steps; the one whose steps ran out first ended the run for all)")
         self._settle_fragments()
         self.clock.stepped()
+        if self._keeps_deadlines() and self.clock.past_deadline():
+            self.outer.end_window_at_this_step()
         starting = self.outer.count_step()
         now = self.outer.optimizer_steps
         self.synced = False
@@ -209,8 +212,17 @@ class ScheduledSyncs:
             pending = self._begin(fragment, now + self.outer.delay)
             if self.outer.delay == 0:
                 self._complete(pending)
-        self.clock.ready()
+        self.clock.ready(self.outer.window_seconds if self.outer.window_ended else 0.0)
         return self.synced
+
+    def _keeps_deadlines(self) -> bool:
+        """Whether this rank's group ends a time-boxed window at its deadline (a group of one process: the
+        ranks of a larger one keep to the steps they agreed on)."""
+        return self.outer.time_boxed and self._ranks_per_group() == 1
+
+    def _ranks_per_group(self) -> int:
+        """The ranks that train this rank's replica together (1: this rank alone)."""
+        return 1
 
     def sync(self) -> bool:
         """Synchronise now, on every worker (a collective; every rank calls it at the same point): merge the
@@ -383,6 +395,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         indices = self.outer.members(fragment)
         params = self.params
         deltas = self.outer.outer_gradients(params, indices)
+        self._warn_if_weighted_inexactly()
         if self.weight != 1.0:  # Σ_m w_m·Δ_m: the weight applied before compression (see local/windows.py)
             torch._foreach_mul_(deltas, self.weight)
         pending = PendingSync(fragment, merge_at, [torch.empty_like(delta) for delta in deltas])
@@ -448,6 +461,19 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.weight = self._use_figures(fragment, groups, me)
         self.weights_equal = len({group.units for group in groups}) == 1 or self.weight_by is None
 
+    def _warn_if_weighted_inexactly(self) -> None:
+        if not self.weights_equal and getattr(self.exchange.compressor, "aggregate", None) == "chosen" \
+                and not self._warned_inexact:
+            self._warned_inexact = True
+            warnings.warn(
+                "gradcomp: the groups' outer gradients are weighted by their samples, but SparseLoCo(aggregate="
+                "'chosen') averages each coordinate over the workers that chose it, which undoes part of the "
+                "weights: the merge is weighted only approximately. SparseLoCo(aggregate='all') merges them exactly "
+                "(or weight_by=None: equal weights)", UserWarning, stacklevel=4)
+
+    #: whether the warning that SparseLoCo's 'chosen' aggregate weights only approximately was given
+    _warned_inexact = False
+
     def _group_row(self, fragment: int, device: torch.device) -> list[int]:
         """This rank's group's figures (:data:`~lightning_gradcomp.local.windows.ROW_FIELDS`): its own, or, where
         several ranks train one replica (:meth:`_ranks_per_group`), theirs combined with one small all-reduce."""
@@ -459,10 +485,6 @@ class LocalUpdateLoop(ScheduledSyncs):
         summed = torch.tensor(figures, dtype=torch.int64, device=device)
         self._sum_within_group(summed)
         return combine_within_group(summed.tolist(), ranks)
-
-    def _ranks_per_group(self) -> int:
-        """The ranks that train this rank's replica together (1: this rank alone)."""
-        return 1
 
     def _sum_within_group(self, tensor: Tensor) -> None:
         """Sum ``tensor`` over the ranks of this rank's replica (see :meth:`_ranks_per_group`)."""

@@ -131,6 +131,21 @@ class OuterModel:
         lead = self.delay if self.overlap == "before" else 0
         return [f for f in range(self.fragments) if (f + 1) * stride - lead == position]
 
+    def end_window_at_this_step(self) -> bool:
+        """Cut the current time-boxed window short so that the coming inner step is its last (its deadline
+        passed); whether it was (not a window of fragments, not below ``τ+1`` steps, not the run's last)."""
+        position = self.optimizer_steps - self.window_start + 1
+        if (not self.time_boxed or self.fragments > 1 or self.ends_at is not None
+                or not self.delay < position < self.window_length):
+            return False
+        self.window_length = position
+        return True
+
+    @property
+    def window_ended(self) -> bool:
+        """Whether the last inner step was the current time-boxed window's last."""
+        return self.time_boxed and self.optimizer_steps - self.window_start == self.window_length
+
     def left_after_window(self, total_steps: Optional[int]) -> int:
         """The inner steps a loop of ``total_steps`` takes after the current window (``-1``: not said)."""
         if total_steps is None:

@@ -22,6 +22,11 @@ The figures travel in the all-gather with which every synchronisation already ch
 every rank. The ranks of a group (an FSDP2 replica's shards, the processes of a fault-tolerant group) sum their
 counts and average their step times first, so that they take the same number of steps.
 
+A group of one process also ends its window at the window's deadline (``W`` after the synchronisation that
+began it), if that comes before its planned steps: a group that began the window late (it healed from the
+others under fault tolerance, or stalled) arrives on time instead of late again (the ranks of a group of
+several processes keep to the planned steps, which they agreed on; with fragments, too).
+
 The end of a time-boxed run: each rank says how many inner steps its loop takes in all
 (:meth:`WindowClock.run_for`; the Trainer strategies say it from ``trainer.estimated_stepping_batches``); when a
 group has less than one and a half windows left, the next window is the last one, stretched or shrunk so that
@@ -89,9 +94,23 @@ class WindowClock:
         for fragment in range(len(self.units_since)):
             self.units_since[fragment] += units
 
-    def ready(self) -> None:
-        """The synchronisations of a step are done: the next interval starts now."""
+    def ready(self, window_seconds: float = 0.0) -> None:
+        """The synchronisations of a step are done: the next interval starts now; with ``window_seconds``, a
+        window ended with them, and the next one's deadline is that long from now."""
         self._ready_at = time.perf_counter()
+        if window_seconds > 0:
+            self.deadline = self._ready_at + window_seconds
+
+    #: when the current time-boxed window should end (``None``: not set, the window's planned steps decide)
+    deadline: Optional[float] = None
+
+    def past_deadline(self) -> bool:
+        """Whether the next inner step would end after the window's deadline by more than half a step (the
+        step just taken counted): a group that started its window late (it healed from the others, or
+        stalled) ends it on time instead of arriving late again."""
+        if self.deadline is None or not self.intervals:
+            return False
+        return time.perf_counter() + 0.5 * self.step_seconds() >= self.deadline
 
     def step_seconds(self) -> float:
         """The median interval between inner steps since the last window's plan (0 when none was measured);
