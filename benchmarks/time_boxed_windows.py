@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import print_table  # noqa: E402
+from fault_tolerance import _data  # noqa: E402  (the digits, 80% to train and 20% held out)
 
 import lightning_gradcomp  # noqa: E402
 from lightning_gradcomp import LocalUpdates  # noqa: E402
@@ -57,16 +58,6 @@ GRACE = "time-boxed + grace (torchft)"
 CASES = [("half speed", "ddp"), ("half speed", "lock-step"), ("half speed", "time-boxed"),
          ("stall", "ddp"), ("stall", "lock-step"), ("stall", "time-boxed"), ("stall", GRACE)]
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def _data():
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    labels = torch.tensor(digits.target)
-    split = int(0.8 * len(labels))
-    return (images[:split], labels[:split]), (images[split:], labels[split:])
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

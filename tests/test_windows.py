@@ -88,6 +88,12 @@ def _simulate(config: LocalUpdates, ticks: int = 40, workers: int = 3, **kwargs)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     sim = SimulatedLocalUpdates(model, [optimizer], config, workers=workers, **kwargs)
+    _tick(sim, model, optimizer, ticks)
+    return sim, [p.detach().clone() for p in sim.outer.global_params]
+
+
+def _tick(sim: SimulatedLocalUpdates, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ticks: int) -> None:
+    """``ticks`` ticks of the simulation: the workers whose step falls on each one train a batch."""
     for _ in range(ticks):
         for worker in sim.stepping():
             with sim.worker(worker):
@@ -96,7 +102,6 @@ def _simulate(config: LocalUpdates, ticks: int = 40, workers: int = 3, **kwargs)
                 optimizer.step()
                 optimizer.zero_grad()
         sim.step()
-    return sim, [p.detach().clone() for p in sim.outer.global_params]
 
 
 def test_equal_speeds_reproduce_lock_step_bit_for_bit() -> None:
@@ -164,15 +169,7 @@ def test_a_time_boxed_simulation_resumes_exactly() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     resumed = SimulatedLocalUpdates(model, [optimizer], config, workers=2, speeds=(1, 0.5))
     resumed.load_state_dicts(states)
-    resumed.outer.load_state_dict(states[0]["outer"])
-    for _ in range(6):
-        for worker in resumed.stepping():
-            with resumed.worker(worker):
-                x, y = _batch(worker, resumed.samples[worker])
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        resumed.step()
+    _tick(resumed, model, optimizer, 6)
     assert resumed.samples == full.samples and resumed.elapsed == full.elapsed
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed.outer.global_params))
 
@@ -303,3 +300,22 @@ def test_a_group_that_stalls_inside_a_window_ends_it_at_the_deadline(tmp_path) -
     for figure in figures[:2]:
         gaps = [b - a for a, b in zip(figure["synced_at"], figure["synced_at"][1:])]
         assert max(gaps) - sorted(gaps)[len(gaps) // 2] < 0.15, gaps  # well under the 0.25 s stall
+
+
+@pytest.mark.parametrize("checkpointing, validate", [(True, False), (False, True)], ids=["checkpoints", "validation"])
+def test_the_trainer_refuses_what_it_would_run_at_each_ranks_own_step(checkpointing: bool, validate: bool) -> None:
+    """Under time-boxed windows the ranks take different numbers of steps: validation and checkpoints inside fit
+    (collectives at each rank's own count) are refused before training, naming what is allowed."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_gradcomp import GradCompStrategy
+    from tests.test_bad_inputs import _Tiny
+
+    data = DataLoader(TensorDataset(torch.randn(16, 40)), batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        strategy=GradCompStrategy(local_updates=LocalUpdates(2, window_seconds="auto")),
+                        enable_checkpointing=checkpointing, limit_val_batches=1.0 if validate else 0,
+                        num_sanity_val_steps=0, enable_model_summary=False)
+    with pytest.raises(ValueError, match="enable_checkpointing=False, limit_val_batches=0"):
+        trainer.fit(_Tiny(validate), data, data if validate else None)

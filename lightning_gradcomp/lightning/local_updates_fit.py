@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_gradcomp.local.loop import ScheduledSyncs
@@ -82,6 +83,8 @@ class ShowsGlobalModel:
             self._callbacks.insert(0, self._end_callback)
         if self._fitting_locally:
             keep_the_batches_free_of_collectives(trainer)
+            if self.outer_loop.outer.time_boxed:
+                refuse_collectives_at_each_ranks_own_step(trainer)
 
     def finish_local_updates(self) -> None:
         """The end of ``fit``: the final synchronisation (a collective, on every rank; once). If it fails,
@@ -178,6 +181,25 @@ def keep_the_batches_free_of_collectives(trainer: Any) -> None:
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = check_this_ranks_sigterm
+
+
+def refuse_collectives_at_each_ranks_own_step(trainer: Any) -> None:
+    """Under time-boxed windows the groups take different numbers of steps, so what the Trainer does at a step or
+    epoch count happens on each rank at another time, and its collectives (validation's ``sync_dist`` logging,
+    ``ModelCheckpoint``'s broadcast and barrier) would meet another rank's synchronisation instead of their own:
+    refused before training, on every rank alike (the Trainer's settings are the same everywhere)."""
+    checkpoints = [type(callback).__name__ for callback in trainer.checkpoint_callbacks]
+    module = trainer.lightning_module
+    validates = trainer.limit_val_batches != 0 and module is not None and is_overridden("validation_step", module)
+    if checkpoints or validates:
+        inside = ", ".join([*checkpoints, *(["validation"] if validates else [])])
+        raise ValueError(
+            f"gradcomp: LocalUpdates(window_seconds=...) under the Trainer: {inside} inside fit would run on each rank "
+            "at its own step count, but the groups take different numbers of steps, so their collectives would meet "
+            "different synchronisations. Allowed: Trainer(enable_checkpointing=False, limit_val_batches=0) and "
+            "trainer.save_checkpoint(...) / validation after fit (fit ends on θ_global on every rank), or "
+            "lock-step windows (window_seconds=None), or a Fabric or plain loop, which checkpoints at "
+            "handle.finished")
 
 
 def stop_at_the_runs_end(trainer: Any, loop: Any) -> None:
