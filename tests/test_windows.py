@@ -302,10 +302,9 @@ def test_a_group_that_stalls_inside_a_window_ends_it_at_the_deadline(tmp_path) -
         assert max(gaps) - sorted(gaps)[len(gaps) // 2] < 0.15, gaps  # well under the 0.25 s stall
 
 
-@pytest.mark.parametrize("checkpointing, validate", [(True, False), (False, True)], ids=["checkpoints", "validation"])
-def test_the_trainer_refuses_what_it_would_run_at_each_ranks_own_step(checkpointing: bool, validate: bool) -> None:
-    """Under time-boxed windows the ranks take different numbers of steps: validation and checkpoints inside fit
-    (collectives at each rank's own count) are refused before training, naming what is allowed."""
+def test_the_trainer_refuses_a_checkpoint_at_each_ranks_own_step() -> None:
+    """Under time-boxed windows the ranks take different numbers of steps: a ModelCheckpoint (which saves at each
+    rank's own epoch end or step count, named by them) is refused before training, naming what is allowed."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -315,7 +314,18 @@ def test_the_trainer_refuses_what_it_would_run_at_each_ranks_own_step(checkpoint
     data = DataLoader(TensorDataset(torch.randn(16, 40)), batch_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
                         strategy=GradCompStrategy(local_updates=LocalUpdates(2, window_seconds="auto")),
-                        enable_checkpointing=checkpointing, limit_val_batches=1.0 if validate else 0,
-                        num_sanity_val_steps=0, enable_model_summary=False)
-    with pytest.raises(ValueError, match="enable_checkpointing=False, limit_val_batches=0"):
-        trainer.fit(_Tiny(validate), data, data if validate else None)
+                        enable_checkpointing=True, limit_val_batches=0, num_sanity_val_steps=0,
+                        enable_model_summary=False)
+    with pytest.raises(ValueError, match="enable_checkpointing=False.*on_validation_end"):
+        trainer.fit(_Tiny(False), data)
+
+
+def test_the_trainer_validates_at_synchronisations(tmp_path) -> None:
+    """Validation inside fit (sync_dist logging and a torchmetrics metric: collectives), a slow rank: validation runs
+    right after the same synchronisations on both ranks (θ_global: the same parameters), and both stop together."""
+    results, _ = run_lightning(tmp_path, "tbv", "--local", "4", "--window-seconds", "auto", "--slow-rank-sleep",
+                               "0.03", "--max-steps", "40", "--epochs", "20", "--compressor", "none", "--validate")
+    fast, slow = results
+    assert fast["global_step"] == 40 and slow["global_step"] < 30 and fast["windows"] == slow["windows"]
+    assert fast["validated"] == slow["validated"] and len(fast["validated"]) >= 2, (fast["validated"], slow["validated"])
+    assert all(torch.equal(fast["params"][name], slow["params"][name]) for name in fast["params"])

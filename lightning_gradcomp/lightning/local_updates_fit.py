@@ -34,7 +34,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_gradcomp.local.loop import ScheduledSyncs
@@ -85,6 +84,7 @@ class ShowsGlobalModel:
             keep_the_batches_free_of_collectives(trainer)
             if self.outer_loop.outer.time_boxed:
                 refuse_collectives_at_each_ranks_own_step(trainer)
+                validate_at_synchronisations(trainer, self.outer_loop)
 
     def finish_local_updates(self) -> None:
         """The end of ``fit``: the final synchronisation (a collective, on every rank; once). If it fails,
@@ -185,21 +185,39 @@ def keep_the_batches_free_of_collectives(trainer: Any) -> None:
 
 def refuse_collectives_at_each_ranks_own_step(trainer: Any) -> None:
     """Under time-boxed windows the groups take different numbers of steps, so what the Trainer does at a step or
-    epoch count happens on each rank at another time, and its collectives (validation's ``sync_dist`` logging,
-    ``ModelCheckpoint``'s broadcast and barrier) would meet another rank's synchronisation instead of their own:
-    refused before training, on every rank alike (the Trainer's settings are the same everywhere)."""
-    checkpoints = [type(callback).__name__ for callback in trainer.checkpoint_callbacks]
-    module = trainer.lightning_module
-    validates = trainer.limit_val_batches != 0 and module is not None and is_overridden("validation_step", module)
-    if checkpoints or validates:
-        inside = ", ".join([*checkpoints, *(["validation"] if validates else [])])
+    epoch count happens on each rank at another time: a ``ModelCheckpoint`` saves at each rank's own epoch end,
+    step count or time, under a file name made of that rank's own epoch and step, and its collectives would meet
+    another rank's synchronisation. Refused before training, on every rank alike (the Trainer's settings are the
+    same everywhere); validation is moved to synchronisations instead (:func:`validate_at_synchronisations`)."""
+    if trainer.checkpoint_callbacks:
         raise ValueError(
-            f"gradcomp: LocalUpdates(window_seconds=...) under the Trainer: {inside} inside fit would run on each rank "
-            "at its own step count, but the groups take different numbers of steps, so their collectives would meet "
-            "different synchronisations. Allowed: Trainer(enable_checkpointing=False, limit_val_batches=0) and "
-            "trainer.save_checkpoint(...) / validation after fit (fit ends on θ_global on every rank), or "
-            "lock-step windows (window_seconds=None), or a Fabric or plain loop, which checkpoints at "
-            "handle.finished")
+            f"gradcomp: LocalUpdates(window_seconds=...) under the Trainer: {type(trainer.checkpoint_callbacks[0]).__name__} "
+            "would save at each rank's own epoch or step count, under a name made of them, but the groups take "
+            "different numbers of steps. Allowed: Trainer(enable_checkpointing=False) with trainer.save_checkpoint("
+            "path) after fit (fit ends on θ_global on every rank), or from a callback's on_validation_end with the "
+            "same path on every rank (validation runs right after a synchronisation, the same one on every rank)")
+
+
+def validate_at_synchronisations(trainer: Any, loop: Any) -> None:
+    """Under time-boxed windows, validation inside ``fit`` runs right after the synchronisation that ends a window,
+    the same one on every rank: every ``max(1, round(val_check_batch / sync_every))`` windows (the Trainer's
+    ``val_check_interval`` in windows of ``H`` steps; ``check_val_every_n_epoch`` is not followed, the ranks'
+    epochs end at different times) and at the run's planned end. Lightning's decision on this Trainer's epoch loop
+    is replaced; validation's collectives (``sync_dist`` logging, ``EarlyStopping``, a ``ModelCheckpoint`` that
+    saves after validation) then meet their own on every rank."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if epoch_loop is None or not hasattr(epoch_loop, "_should_check_val_fx"):
+        return
+    outer = loop.outer
+
+    def after_a_window(_data_fetcher: Any) -> bool:
+        if trainer.limit_val_batches == 0 or not outer.window_ended:
+            return False
+        every = trainer.val_check_batch if isinstance(getattr(trainer, "val_check_batch", None), int) else None
+        windows_between = max(1, round(every / outer.sync_every)) if every else 1
+        return loop.finished or (outer.windows + 1) % windows_between == 0
+
+    epoch_loop._should_check_val_fx = after_a_window
 
 
 def stop_at_the_runs_end(trainer: Any, loop: Any) -> None:
