@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,8 +304,8 @@ def test_a_group_that_stalls_inside_a_window_ends_it_at_the_deadline(tmp_path) -
 
 
 def test_the_trainer_refuses_a_checkpoint_at_each_ranks_own_step() -> None:
-    """Under time-boxed windows the ranks take different numbers of steps: a ModelCheckpoint (which saves at each
-    rank's own epoch end or step count, named by them) is refused before training, naming what is allowed."""
+    """Under time-boxed windows the ranks take different numbers of steps: a ModelCheckpoint that saves at each
+    rank's own epoch end (the default one) is refused before training, naming what is allowed."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -316,16 +317,24 @@ def test_the_trainer_refuses_a_checkpoint_at_each_ranks_own_step() -> None:
                         strategy=GradCompStrategy(local_updates=LocalUpdates(2, window_seconds="auto")),
                         enable_checkpointing=True, limit_val_batches=0, num_sanity_val_steps=0,
                         enable_model_summary=False)
-    with pytest.raises(ValueError, match="enable_checkpointing=False.*on_validation_end"):
+    with pytest.raises(ValueError, match="ModelCheckpoint.save_on_train_epoch_end=False.*enable_checkpointing=False"):
         trainer.fit(_Tiny(False), data)
 
 
-def test_the_trainer_validates_at_synchronisations(tmp_path) -> None:
-    """Validation inside fit (sync_dist logging and a torchmetrics metric: collectives), a slow rank: validation runs
-    right after the same synchronisations on both ranks (θ_global: the same parameters), and both stop together."""
+def test_the_trainer_validates_and_checkpoints_at_synchronisations(tmp_path) -> None:
+    """Validation inside fit (sync_dist logging and a torchmetrics metric: collectives) and a
+    ModelCheckpoint(save_on_train_epoch_end=False), a slow rank: validation runs right after the same
+    synchronisations on both ranks (θ_global: the same parameters), one checkpoint per validation under rank 0's
+    name with every rank's part beside it, and both ranks stop together."""
+    checkpoints = tmp_path / "checkpoints"
     results, _ = run_lightning(tmp_path, "tbv", "--local", "4", "--window-seconds", "auto", "--slow-rank-sleep",
-                               "0.03", "--max-steps", "40", "--epochs", "20", "--compressor", "none", "--validate")
+                               "0.03", "--max-steps", "40", "--epochs", "20", "--compressor", "none", "--validate",
+                               "--checkpoint-dir", str(checkpoints))
     fast, slow = results
     assert fast["global_step"] == 40 and slow["global_step"] < 30 and fast["windows"] == slow["windows"]
     assert fast["validated"] == slow["validated"] and len(fast["validated"]) >= 2, (fast["validated"], slow["validated"])
+    saved = sorted(checkpoints.glob("*.ckpt"))
+    assert len(saved) == len(fast["validated"]), saved
+    assert all(sorted(path.name for path in Path(f"{ckpt}.gradcomp").iterdir()) == ["rank00000.pt", "rank00001.pt"]
+               for ckpt in saved)
     assert all(torch.equal(fast["params"][name], slow["params"][name]) for name in fast["params"])

@@ -63,6 +63,8 @@ class ShowsGlobalModel:
     and calls :meth:`_start_showing_global_model` from ``setup`` when fitting."""
 
     _fitting_locally = False
+    #: whether the strategy writes every rank's checkpoint under rank 0's file name under time-boxed windows
+    names_checkpoints_alike = False
     _evaluation_view: Optional[ExitStack] = None
     _end_callback: Optional[_GlobalModelFirst] = None
     _callbacks: Optional[list[Any]] = None  # the Trainer's callback list the end callback is in
@@ -83,7 +85,7 @@ class ShowsGlobalModel:
         if self._fitting_locally:
             keep_the_batches_free_of_collectives(trainer)
             if self.outer_loop.outer.time_boxed:
-                refuse_collectives_at_each_ranks_own_step(trainer)
+                refuse_collectives_at_each_ranks_own_step(trainer, self.names_checkpoints_alike)
                 validate_at_synchronisations(trainer, self.outer_loop)
 
     def finish_local_updates(self) -> None:
@@ -183,19 +185,28 @@ def keep_the_batches_free_of_collectives(trainer: Any) -> None:
     loop._broadcast_sigterm_tensor = check_this_ranks_sigterm
 
 
-def refuse_collectives_at_each_ranks_own_step(trainer: Any) -> None:
+def refuse_collectives_at_each_ranks_own_step(trainer: Any, names_checkpoints_alike: bool) -> None:
     """Under time-boxed windows the groups take different numbers of steps, so what the Trainer does at a step or
-    epoch count happens on each rank at another time: a ``ModelCheckpoint`` saves at each rank's own epoch end,
-    step count or time, under a file name made of that rank's own epoch and step, and its collectives would meet
-    another rank's synchronisation. Refused before training, on every rank alike (the Trainer's settings are the
-    same everywhere); validation is moved to synchronisations instead (:func:`validate_at_synchronisations`)."""
-    if trainer.checkpoint_callbacks:
+    epoch count happens on each rank at another time, and its collectives would meet another rank's
+    synchronisation. A ``ModelCheckpoint`` that saves at each training epoch's end, every N training steps or every
+    time interval is refused before training, on every rank alike (the Trainer's settings are the same
+    everywhere); one that saves after validation (``save_on_train_epoch_end=False``) is allowed where the strategy
+    writes every rank's checkpoint under rank 0's name (``names_checkpoints_alike``: each rank's own name is made
+    of its own epoch and step), validation being moved to synchronisations (:func:`validate_at_synchronisations`)."""
+    refused = [callback for callback in trainer.checkpoint_callbacks
+               if not names_checkpoints_alike or getattr(callback, "_every_n_train_steps", 0)
+               or getattr(callback, "_train_time_interval", None)
+               or getattr(callback, "_save_on_train_epoch_end", None) is not False]
+    if refused:
+        allowed = ("ModelCheckpoint(save_on_train_epoch_end=False) without every_n_train_steps or "
+                   "train_time_interval (it saves after validation, which runs right after a synchronisation, the "
+                   "same one on every rank), or " if names_checkpoints_alike else "")
         raise ValueError(
-            f"gradcomp: LocalUpdates(window_seconds=...) under the Trainer: {type(trainer.checkpoint_callbacks[0]).__name__} "
-            "would save at each rank's own epoch or step count, under a name made of them, but the groups take "
-            "different numbers of steps. Allowed: Trainer(enable_checkpointing=False) with trainer.save_checkpoint("
-            "path) after fit (fit ends on θ_global on every rank), or from a callback's on_validation_end with the "
-            "same path on every rank (validation runs right after a synchronisation, the same one on every rank)")
+            f"gradcomp: LocalUpdates(window_seconds=...) under the Trainer: {type(refused[0]).__name__} would save at "
+            "each rank's own epoch or step count, but the groups take different numbers of steps, so its "
+            f"collectives would meet different synchronisations. Allowed: {allowed}Trainer(enable_checkpointing="
+            "False) with trainer.save_checkpoint(path) after fit (fit ends on θ_global on every rank) or from a "
+            "callback's on_validation_end, with the same path on every rank")
 
 
 def validate_at_synchronisations(trainer: Any, loop: Any) -> None:

@@ -351,6 +351,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         compressor state; under local updates its replica, inner-optimizer and outer state) written by that
         rank beside it, in ``<filepath>.gradcomp/``: nothing is gathered on rank 0."""
         part = None
+        filepath = self._checkpoint_name(filepath)
         if self.hook_state is not None and dist.is_available() and dist.is_initialized():
             local = self.local_loop.state_dict(self.optimizers) if self.local_loop is not None else None
             agree_on_the_save(filepath, self.hook_state._agreement_group, "trainer.save_checkpoint")
@@ -369,9 +370,21 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         group = self.hook_state.checkpoint_group
         return dist.get_rank(group), dist.get_world_size(group)
 
+    #: under time-boxed windows ``ModelCheckpoint`` names a checkpoint by each rank's own epoch and step
+    names_checkpoints_alike = True
+
+    def _checkpoint_name(self, filepath: Any) -> Any:
+        """``filepath``, or under time-boxed windows rank 0's (a collective: ``ModelCheckpoint`` saves and removes
+        after validation, which runs after the same synchronisation on every rank, but names the file by each
+        rank's own epoch and step, which differ)."""
+        if self.local_loop is not None and self.local_loop.outer.time_boxed and self.world_size > 1:
+            return self.broadcast(filepath)
+        return filepath
+
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
+        filepath = self._checkpoint_name(filepath)
         super().remove_checkpoint(filepath)
         remove_part(filepath, self.global_rank)
 

@@ -63,7 +63,7 @@ OVERLAPS = ("after", "before")
 #: ``weight_by``: what each group's outer gradient is weighted by when merged (``None``: equally)
 WEIGHTS = ("samples", "tokens", None)
 
-#: ``window_seconds``: derive the window's length from ``sync_every`` and the first window's step times
+#: ``window_seconds``: derive the window's length from ``sync_every`` and the fastest group's step time
 AUTO_WINDOW = "auto"
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023, §3): SGD with Nesterov momentum
@@ -141,8 +141,8 @@ class LocalUpdates:
             progress on that fragment).
         window_seconds: time-boxed windows (:mod:`~lightning_gradcomp.local.windows`, after Decoupled DiLoCo):
             ``None`` (default): lock-step, every group takes ``sync_every`` inner steps per window. A number of
-            seconds, or ``"auto"`` (the time the fastest group took per step in the first window, times
-            ``sync_every``): each group takes as many inner steps as fit in that window at its own measured
+            seconds, or ``"auto"`` (``sync_every`` times the fastest group's step time, measured in the last
+            window: the fastest group takes ``sync_every`` steps): each group takes as many inner steps as fit in that window at its own measured
             speed, so that a slow group no longer holds up the others; the ranks of a group take the same
             number. The first window is lock-step (it measures the speeds).
         weight_by: what each group's outer gradient is weighted by in the merge, ``Δ = Σ_m w_m·Δ_m`` with

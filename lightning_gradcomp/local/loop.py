@@ -114,8 +114,8 @@ class ScheduledSyncs:
             raise ScheduleMismatch(f"gradcomp: local updates: {problem}")
         self.clock.started(fragment)
         if self.outer.time_boxed and not self._ending and fragment == self.outer.fragments - 1:
-            plan = plan_windows(groups, self.outer.window_seconds, self.outer.sync_every, self.outer.fragments,
-                                self.outer.delay)
+            window = 0.0 if self.outer.window_auto else self.outer.window_seconds  # "auto": from this window's times
+            plan = plan_windows(groups, window, self.outer.sync_every, self.outer.fragments, self.outer.delay)
             self.outer.adopt_plan(plan.lengths[me], plan.window_seconds, plan.last, plan.ends_now)
             self.clock.planned()
         if self.weight_by is None:

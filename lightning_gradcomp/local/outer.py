@@ -81,6 +81,8 @@ class OuterModel:
         self.time_boxed = config.time_boxed
         #: ``W`` in seconds (``window_seconds``; for ``"auto"``, 0 until the first window's plan sets it)
         self.window_seconds = 0.0 if config.window_seconds in (None, "auto") else float(config.window_seconds)
+        #: whether ``W`` follows the fastest group's step time (``"auto"``), planned afresh at every window
+        self.window_auto = config.window_seconds == "auto"
         #: the current window: the inner step it started after, its length, and the next one's
         self.window_start = 0
         self.window_length = self.sync_every

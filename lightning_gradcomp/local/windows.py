@@ -6,7 +6,7 @@ their own clocks and merge what each contributed, weighted by the tokens it proc
 windows each group ``m`` takes the inner steps that fit in a window of ``W`` seconds at its own measured speed,
 so that all groups reach each synchronisation at about the same time::
 
-    W   = window_seconds,  or  H · min_m s_m      ("auto": fixed at the end of the first window, lock-step)
+    W   = window_seconds,  or  H · min_m s_m      ("auto": from the last window's step times; the first is lock-step)
     k_m = F · round(W / (s_m · F)),  ≥ F·(τ+1)   group m's inner steps in the next window
     w_m = n_m / Σ_m n_m                          the weight of group m's outer gradient: Δ = Σ_m w_m·Δ_m
 

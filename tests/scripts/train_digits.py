@@ -16,7 +16,7 @@ import warnings
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_gradcomp  # noqa: F401  (registers "gradcomp")
@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--local", type=int, default=0, help="local updates: synchronise every LOCAL steps")
     parser.add_argument("--window-seconds", default=None, help="local updates: time-boxed windows ('auto' or seconds)")
     parser.add_argument("--slow-rank-sleep", type=float, default=0.0, help="the last rank sleeps this long per batch")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="add ModelCheckpoint(dirpath, save_on_train_epoch_end=False, save_top_k=-1)")
     parser.add_argument("--peer-dies-at-step", type=int, default=None,
                         help="rank 1 exits at this step; rank 0 prints COLLECTIVE_ERROR and exits 3 on CollectiveError")
     args = parser.parse_args()
@@ -195,6 +197,8 @@ def main() -> None:
         callbacks.append(DGCWarmup(epochs=args.warmup_epochs, lr_warmup=args.lr_warmup))
     if args.slow_rank_sleep:
         callbacks.append(SlowLastRank(args.slow_rank_sleep))
+    if args.checkpoint_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_on_train_epoch_end=False, save_top_k=-1))
     if args.peer_dies_at_step is not None:
         callbacks.append(PeerDies(args.peer_dies_at_step))
     if args.save and args.save_at_epoch:
@@ -203,7 +207,7 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_epochs=args.epochs,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, callbacks=callbacks,
         logger=_logger(args), log_every_n_steps=5,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(args.checkpoint_dir), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=1.0 if args.validate else 0, deterministic=True,
     )
     model = (TwoOptimizers if args.two_optimizers else DigitsClassifier)(lr=args.lr, momentum=args.momentum)
