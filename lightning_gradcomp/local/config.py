@@ -142,9 +142,9 @@ class LocalUpdates:
         window_seconds: time-boxed windows (:mod:`~lightning_gradcomp.local.windows`, after Decoupled DiLoCo):
             ``None`` (default): lock-step, every group takes ``sync_every`` inner steps per window. A number of
             seconds, or ``"auto"`` (``sync_every`` times the fastest group's step time, measured in the last
-            window: the fastest group takes ``sync_every`` steps): each group takes as many inner steps as fit in that window at its own measured
-            speed, so that a slow group no longer holds up the others; the ranks of a group take the same
-            number. The first window is lock-step (it measures the speeds).
+            window: the fastest group takes ``sync_every`` steps): each group takes as many inner steps as fit
+            in that window at its own measured speed, so that a slow group no longer holds up the others; the
+            ranks of a group take the same number. The first window is lock-step (it measures the speeds).
         weight_by: what each group's outer gradient is weighted by in the merge, ``Δ = Σ_m w_m·Δ_m`` with
             ``w_m = n_m / Σ n``: ``"samples"`` (default: the inner steps it took, or the samples reported with
             :meth:`~lightning_gradcomp.local.handle.LocalUpdateHandle.count`), ``"tokens"`` (reported with
