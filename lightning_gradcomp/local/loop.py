@@ -105,10 +105,10 @@ class ScheduledSyncs:
     #: whether :meth:`sync` (the end of a loop) is running
     _ending = False
 
-    def _use_figures(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> float:
+    def _use_figures(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> list[float]:
         """The groups' figures of a synchronisation (every rank's, from its all-gather): refuse what does not fit
-        (on every rank alike), plan the next time-boxed window at a window's last synchronisation, and return
-        ``M·w`` of group ``me``, the factor of its outer gradient."""
+        (on every rank alike), plan the next time-boxed window at a window's last synchronisation (group ``me``'s
+        length is this rank's), and return ``M·w_m`` of every group, the factors of their outer gradients."""
         problem = check_figures(groups, self.weight_by, self.outer.time_boxed)
         if problem is not None:
             raise ScheduleMismatch(f"gradcomp: local updates: {problem}")
@@ -119,8 +119,8 @@ class ScheduledSyncs:
             self.outer.adopt_plan(plan.lengths[me], plan.window_seconds, plan.last, plan.ends_now)
             self.clock.planned()
         if self.weight_by is None:
-            return 1.0
-        return merge_weights([group.units for group in groups])[me]
+            return [1.0] * len(groups)
+        return merge_weights([group.units for group in groups])
 
     def count(self, units: int) -> None:
         """``units`` samples (or tokens) processed by the coming inner step (its outer gradient's weight)."""
@@ -458,7 +458,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         self._take_weight(fragment, [group_figures(row[3:]) for row in gathered], driver.rank)
 
     def _take_weight(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> None:
-        self.weight = self._use_figures(fragment, groups, me)
+        self.weight = self._use_figures(fragment, groups, me)[me]
         self.weights_equal = len({group.units for group in groups}) == 1 or self.weight_by is None
 
     def _warn_if_weighted_inexactly(self) -> None:

@@ -50,7 +50,6 @@ from torch.optim import Optimizer
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.options import exchange_options
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
-from lightning_gradcomp.exchange.agreement import ScheduleMismatch
 from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
 from lightning_gradcomp.local.global_model import GlobalBuffers
 from lightning_gradcomp.local.loop import load_local_state, local_state, PendingSync, ScheduledSyncs
@@ -61,7 +60,7 @@ from lightning_gradcomp.local.outer import (
     OuterModel,
     trainable_parameters,
 )
-from lightning_gradcomp.local.windows import check_figures, GroupFigures, merge_weights, UNBOUNDED, WindowClock
+from lightning_gradcomp.local.windows import GroupFigures, UNBOUNDED, WindowClock
 
 #: ``stalls``: per worker, the windows in which it stalls and for how many time units
 Stalls = Mapping[int, Sequence[tuple[int, float]]]
@@ -241,10 +240,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         groups = [GroupFigures(0, self._ending, count, 0.0, UNBOUNDED) for count in units]
         self.exchange.driver.all_gather([torch.tensor([self.outer.optimizer_steps, fragment, elements, 0, 0, count,
                                                        0, UNBOUNDED]) for count in units])
-        problem = check_figures(groups, self.weight_by, time_boxed=False)  # the simulation plans by its speeds
-        if problem is not None:
-            raise ScheduleMismatch(f"gradcomp: local updates: {problem}")
-        weights = merge_weights(units) if self.weight_by is not None else [1.0] * self.workers
+        weights = self._use_figures(fragment, groups, 0)  # (its schedule is in ticks: planned by the speeds)
         self._units[fragment] = [0] * self.workers
         names = [self.names[i] for i in indices]
         shapes = {self.names[i]: tuple(self.params[i].shape) for i in indices}
