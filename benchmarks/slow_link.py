@@ -183,7 +183,7 @@ def local_update_times(model, batch_shape: tuple, rank: int, method: str, steps:
 
     from _timing import window_step_times
     from lightning_gradcomp.compressors import FP4AllReduce, Int8AllReduce, SparseLoCo
-    from lightning_gradcomp.local import local_updates
+    from lightning_gradcomp import local_updates
 
     name, _, h = method.rpartition("_h")
     window = int(h)

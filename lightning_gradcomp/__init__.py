@@ -38,16 +38,18 @@ from lightning_gradcomp.compressors import (
     get_compressor,
 )
 from lightning_gradcomp.exchange.checkpoint import CheckpointTimeout
-from lightning_gradcomp.ddp.handle import GradCompHandle, register
+from lightning_gradcomp.ddp.handle import GradCompHandle
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
 from lightning_gradcomp.exchange.agreement import ScheduleMismatch, SettingsMismatch
 from lightning_gradcomp.exchange.waits import WaitTimeout
 from lightning_gradcomp.exchange.drivers import CollectiveError
 from lightning_gradcomp.exchange.session import ExchangeSession
-from lightning_gradcomp.fsdp import FSDPHandle, register_fsdp
-from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates, local_updates
+from lightning_gradcomp.exchange.options import ExchangeOptions
+from lightning_gradcomp.fsdp import FSDPHandle
+from lightning_gradcomp.local import FaultTolerance, LocalUpdates, SimulatedLocalUpdates
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.wiring import local_updates, register, register_fsdp
 
 __version__ = "0.2.0"
 
@@ -80,6 +82,7 @@ __all__ = [
     "DGC",
     "EFSignSGD",
     "exchange_failures",
+    "ExchangeOptions",
     "ExchangeSession",
     "FaultTolerance",
     "FP16",

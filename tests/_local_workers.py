@@ -8,7 +8,8 @@ import functools
 import torch
 from torch import nn
 
-from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
+from lightning_gradcomp import local_updates
+from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates
 
 SYNC_EVERY = 3
 STEPS = 10  # three synchronisations and a window left open

@@ -9,7 +9,7 @@ from torch import nn
 from lightning_gradcomp.exchange import thread as thread_module
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.exchange.session import ExchangeSession
-from lightning_gradcomp.local import local_updates
+from lightning_gradcomp import local_updates
 
 from tests._local_workers import inner_optimizer, small_model
 from tests._thread_workers import AllReduceInBackward

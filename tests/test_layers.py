@@ -18,10 +18,11 @@ LAYERS = {
     "ddp": 3,  # the three adapters over the exchange session, side by side
     "fsdp": 3,
     "local": 3,
-    "lightning": 4,
-    "tools": 5,
-    "examples": 5,
-    "": 6,  # the package root: public API, registration, public import paths
+    "wiring": 4,  # one map from an entry point's plan to its adapter, and the plain entry points
+    "lightning": 5,
+    "tools": 6,
+    "examples": 6,
+    "": 7,  # the package root: public API, registration, public import paths
 }
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
 

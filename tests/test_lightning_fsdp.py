@@ -304,7 +304,7 @@ def test_good_options_are_kept() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from lightning_gradcomp import GradCompFSDPStrategy
-    from lightning_gradcomp.lightning.fsdp_strategy import check_world_divides
+    from lightning_gradcomp.lightning.sharding import check_world_divides
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     strategy = GradCompFSDPStrategy(compressor="int8", shard_size=8, local_updates=None, hierarchy=None,

@@ -15,7 +15,8 @@ from torch import nn
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.exchange.checkpoint import gather_parts
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
-from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates, local_updates
+from lightning_gradcomp import local_updates
+from lightning_gradcomp.local import LocalUpdates, SimulatedLocalUpdates
 from tests._local_workers import (
     check_real_equals_simulated,
     check_a_model_still_driven_through_ddp_is_refused,

@@ -297,7 +297,10 @@ def test_a_group_that_stalls_inside_a_window_ends_it_at_the_deadline(tmp_path) -
     run_gloo(_window_workers.time_boxed_run, 3, [0.02, 0.02, 0.02], {"sync_every": 20, "window_seconds": "auto"},
              100, str(tmp_path), (22, 0.25))
     figures = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
-    assert figures[2]["steps"] < figures[0]["steps"] == 100
+    steps = [figure["steps"] for figure in figures]
+    # the group whose steps run out first ends exactly at its last one (rank 0 or 1: equal speeds, so which one
+    # depends on the clock); the others end at the same synchronisation, in proportion to their speed
+    assert max(steps[:2]) == 100 and min(steps[:2]) >= 95 and steps[2] < max(steps[:2]), steps
     for figure in figures[:2]:
         gaps = [b - a for a, b in zip(figure["synced_at"], figure["synced_at"][1:])]
         assert max(gaps) - sorted(gaps)[len(gaps) // 2] < 0.15, gaps  # well under the 0.25 s stall

@@ -86,12 +86,15 @@ class _QuantisedAllReduce(Compressor):
         return numel
 
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """``(codes as uint8, one fp32 scale per block)`` of a ``(blocks, block_size)`` fp32 tensor."""
-        raise NotImplementedError
+        """``(codes as uint8, one fp32 scale per block)`` of a ``(blocks, block_size)`` fp32 tensor: the
+        bucket-wise codec (:meth:`_quantise_rows`) on one tensor's blocks, so that the codec is written once
+        (the 4-bit formats pack their codes for any block size here, see :class:`Int4AllReduce`)."""
+        codes, scales, _ = self._quantise_rows(blocks)
+        return codes.reshape(-1), scales
 
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         """The ``(blocks, block_size)`` fp32 values that ``codes`` and ``scales`` stand for."""
-        raise NotImplementedError
+        return self._dequantise_rows(codes, scales)
 
     def _scales(self, blocks: Tensor) -> Tensor:
         """Per block, ``peak / code_max``, at least the smallest normal float: a block of zeros or of
@@ -287,13 +290,8 @@ class Int8AllReduce(_QuantisedAllReduce):
 
     name = "int8"
 
-    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        scales = self._scales(blocks)
-        codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-        return codes.view(torch.uint8).reshape(-1), scales
-
     def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
-        """:meth:`_encode` without its clamp, which changes no finite value: ``|x| <= peak`` makes
+        """``round(x/s)`` as int8, without a clamp, which would change no finite value: ``|x| <= peak`` makes
         ``|x / (peak/127)| <= 127`` to within one rounding, below 127.5."""
         scales = self._block_scales(blocks)
         codes = torch.round(blocks / scales.unsqueeze(-1)).to(torch.int8).view(torch.uint8)
@@ -305,9 +303,6 @@ class Int8AllReduce(_QuantisedAllReduce):
         """One multiplication: int8 codes times fp32 scales promote to fp32 (the same values as converting
         first)."""
         return _scaled(codes.view(torch.int8).view(*scales.shape, self.block_size), scales, out, plus)
-
-    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
-        return codes.view(torch.int8).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
 
 
 class Int4AllReduce(_QuantisedAllReduce):
@@ -375,17 +370,9 @@ class FP8AllReduce(_QuantisedAllReduce):
     def hparams(self) -> dict[str, Any]:
         return {"format": self.format, **super().hparams()}
 
-    def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        scales = self._scales(blocks)
-        codes = (blocks / scales.unsqueeze(1)).clamp_(-self.code_max, self.code_max).to(self._dtype)
-        return codes.view(torch.uint8).reshape(-1), scales
-
-    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
-        return codes.view(self._dtype).view(scales.numel(), -1).to(torch.float32).mul_(scales.unsqueeze(1))
-
     def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
-        """:meth:`_encode` without its clamp, which changes no finite value: ``|x / s|`` exceeds ``F`` by at
-        most two roundings, far below the midpoint to the next (invalid) code."""
+        """``x/s`` rounded to the 8-bit float, without a clamp, which would change no finite value: ``|x / s|``
+        exceeds ``F`` by at most two roundings, far below the midpoint to the next (invalid) code."""
         scales = self._block_scales(blocks)
         quantised = (blocks / scales.unsqueeze(-1)).to(self._dtype)
         codes = quantised.view(torch.uint8).view(*blocks.shape[:-2], -1)

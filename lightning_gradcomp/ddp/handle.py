@@ -1,4 +1,5 @@
-"""Plain PyTorch: compressed gradients on a bare ``DistributedDataParallel`` model, in one call.
+"""The DDP adapter's handle: compressed gradients on a ``DistributedDataParallel`` model (its row of the
+wiring, :func:`attach_ddp`; the public entry point is :func:`lightning_gradcomp.register`).
 
 ::
 
@@ -31,17 +32,18 @@ on the host, outside the exchange's work):
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.distributed as dist
+from torch import nn
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.checks import check_bool
+from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.exchange.handle import GradientHandle, hold, OptimizerWatch, refuse_a_second_exchange
+from lightning_gradcomp.exchange.checkpoint import checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
+from lightning_gradcomp.exchange.options import ExchangeOptions
 
 
 class GradCompHandle(GradientHandle):
@@ -62,34 +64,37 @@ class GradCompHandle(GradientHandle):
         return self.hook_state.exchange_bucket(bucket)
 
 
-def register(
-    ddp_model: DistributedDataParallel,
-    compressor: Union[Compressor, str] = "topk",
-    *,
-    error_feedback: Optional[bool] = None,
-    min_compress_numel: int = 1024,
-    seed: int = 0,
-    exchange_thread: Optional[bool] = None,
-    telemetry: bool = False,
-    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-) -> GradCompHandle:
-    """Install the compressed exchange on a ``DistributedDataParallel`` model (any backend, CPU or GPU).
+def attach_ddp(ddp_model: DistributedDataParallel, model: nn.Module, options: ExchangeOptions, *,
+               exchange_thread: Optional[bool] = None, node_groups: Optional[tuple[Any, Any]] = None,
+               timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, caller: str = "register()") -> GradCompHandle:
+    """The compressed exchange of every step on a ``DistributedDataParallel`` model (the row of
+    :func:`~lightning_gradcomp.wiring.attach_exchange` that :func:`~lightning_gradcomp.register` and the DDP
+    strategies take): its communication hook is the returned handle.
 
-    Args:
-        ddp_model: the DDP-wrapped model; its process group is the exchange's.
-        compressor, error_feedback, min_compress_numel, seed, exchange_thread: as for
-            :class:`~lightning_gradcomp.GradCompStrategy`.
-        telemetry: also measure the compression error ``Σ‖p − C(p)‖²`` and the time spent compressing
-            (``step_stats.error_sq``, ``compress_s``...); off, the hook does no extra work.
-        timeout: how long :meth:`GradCompHandle.state_dict` (a collective) waits for the other ranks
-            before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
-            only fails with advice instead of hanging. A dead peer fails the exchange after the process
-            group's own timeout.
+    ``model``: the module whose parameter names key the exchange (``ddp_model.module``, or the Trainer's
+    LightningModule, which Lightning wraps once more); ``node_groups``: the (intra-node, cross-node) groups of
+    the hierarchical hook (:mod:`~lightning_gradcomp.ddp.hierarchy`), ``None`` for the flat one."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    device = next(model.parameters()).device
+    hook_state: GradCompHookState
+    if node_groups is not None:
+        hook_state = HierarchicalHookState(param_names=names, intra_group=node_groups[0], cross_group=node_groups[1],
+                                           exchange_thread=exchange_thread, caller=caller, **options.keywords())
+    else:
+        hook_state = GradCompHookState(param_names=names, group=ddp_model.process_group, exchange_thread=exchange_thread,
+                                       device=device, caller=caller, **options.keywords())
+    handle = GradCompHandle(hook_state, hook_state.compressor, device)
+    handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
+    handle._watch = OptimizerWatch(handle, model)
+    # the hierarchical hook's state is spread over the world (each rank owns some parameters' memory)
+    handle.checkpoint_group = checkpoint_group(None if node_groups is not None else ddp_model.process_group, timeout)
+    ddp_model.register_comm_hook(handle, gradcomp_hook)
+    return handle
 
-    Returns:
-        a :class:`GradCompHandle` with ``bind(optimizer)``, ``step_stats``, ``totals``, ``summary()``,
-        ``state_dict()`` and ``load_state_dict()``.
-    """
+
+def check_ddp_model(ddp_model: Any) -> DistributedDataParallel:
+    """``ddp_model`` as a ``DistributedDataParallel`` that can take the compressed hook: not a sharded model,
+    no hook of its own yet, not compiled autograd's Python reducer."""
     if _is_sharded(ddp_model):
         raise ValueError(
             f"gradcomp: register() compresses the buckets of a DistributedDataParallel model; got a sharded model "
@@ -108,22 +113,7 @@ def register(
             "handle the first register() returned; for a new exchange, wrap the module again: "
             "register(DistributedDataParallel(ddp_model.module), ...)")
     check_reducer(ddp_model)
-    refuse_a_second_exchange(ddp_model.module, "register()")
-    timeout = check_checkpoint_timeout(timeout)
-    names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-    device = next(ddp_model.module.parameters()).device
-    hook_state = GradCompHookState(compressor, names, error_feedback=error_feedback,
-                                   min_compress_numel=min_compress_numel, seed=seed,
-                                   group=ddp_model.process_group, exchange_thread=exchange_thread, device=device,
-                                   caller="register()")
-    hook_state.telemetry = check_bool(telemetry, "telemetry")
-    handle = GradCompHandle(hook_state, hook_state.compressor, device)
-    handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
-    handle._watch = OptimizerWatch(handle, ddp_model.module)
-    handle.checkpoint_group = checkpoint_group(ddp_model.process_group, timeout)
-    ddp_model.register_comm_hook(handle, gradcomp_hook)
-    hold(ddp_model.module, handle, "register()")
-    return handle
+    return ddp_model
 
 
 def _is_sharded(model: Any) -> bool:

@@ -16,7 +16,7 @@ from torch.futures import Future
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.engine import Entry
-from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 
 __all__ = ["GradCompHookState", "exchange_failures", "gradcomp_hook", "no_communication_hook"]
@@ -47,7 +47,7 @@ class GradCompHookState(ExchangeSession):
         caller: str = "the DDP hook",
     ) -> None:
         if not isinstance(param_names, dict) or not all(isinstance(n, str) for n in param_names.values()):
-            exchange_options(compressor, error_feedback, min_compress_numel, seed)  # their messages come first
+            ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)  # their messages come first
             raise ValueError("`param_names` must be a dict of id(parameter) -> parameter name (str), e.g. "
                              "{id(p): n for n, p in model.named_parameters()}")
         super().__init__(compressor, error_feedback, min_compress_numel, seed, group, exchange_thread, device,

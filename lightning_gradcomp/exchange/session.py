@@ -37,7 +37,7 @@ from lightning_gradcomp.exchange.checkpoint import forget_checkpoint_group
 from lightning_gradcomp.exchange.drivers import TorchDriver
 from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Entry, ExchangeEngine
 from lightning_gradcomp.exchange.memory import CompressionMemory
-from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
 from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
 from lightning_gradcomp.exchange.thread import (
@@ -113,7 +113,7 @@ class ExchangeSession:
         settings: Optional[Mapping[str, str]] = None,
         caller: str = "the exchange",
     ) -> None:
-        options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
         self.error_feedback = resolve_error_feedback(options.compressor, options.error_feedback)
         self.pipeline = WorkerPipeline(options.compressor, self.error_feedback)
         self.engine = ExchangeEngine(self.pipeline, options.min_compress_numel, options.seed)

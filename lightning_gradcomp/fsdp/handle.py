@@ -25,22 +25,21 @@ parameter name; the checkpoint entry carries every rank's.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, shard_layout
 from lightning_gradcomp.exchange.checkpoint import (
-    check_checkpoint_timeout,
     checkpoint_group,
     DEFAULT_CHECKPOINT_TIMEOUT,
     restore_entry,
 )
-from lightning_gradcomp.exchange.handle import GradientHandle, hold, OptimizerWatch, refuse_a_second_exchange
+from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import world_collective_device
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
@@ -116,37 +115,12 @@ class FSDPHandle(GradientHandle):
         return world_collective_device()
 
 
-def register_fsdp(
-    model: torch.nn.Module,
-    mesh: DeviceMesh,
-    compressor: Union[Compressor, str] = "topk",
-    *,
-    error_feedback: Optional[bool] = None,
-    min_compress_numel: int = 1024,
-    seed: int = 0,
-    telemetry: bool = False,
-    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-) -> FSDPHandle:
-    """Compress what the replicas of an FSDP2-sharded model exchange (HSDP).
-
-    Args:
-        model: the root module, with ``fully_shard(..., mesh=mesh["shard"])`` applied to it and its blocks
-            (a 1-D shard mesh: FSDP itself then all-reduces nothing between replicas).
-        mesh: the 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: the compressed exchange
-            runs over ``mesh["replicate"]``.
-        compressor, error_feedback, min_compress_numel, seed: as for :func:`~lightning_gradcomp.register`.
-        telemetry: also measure the compression error and time.
-        timeout: how long :meth:`FSDPHandle.state_dict` (a collective of every rank) waits for the others.
-
-    Every FSDP module is set to reduce-scatter unused parameters too (zero gradients), so that every
-    replica sends the same parameters every step. Gradient accumulation with
-    ``set_requires_gradient_sync(False)`` on the non-final micro-batches exchanges once per optimizer step.
-    As with :func:`~lightning_gradcomp.register`, the first optimizer that steps the model is checked
-    against the compressor and bound (or call ``handle.bind(optimizer)``), and an fp16 ``GradScaler`` with
-    error feedback is warned about.
-    """
+def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptions, *,
+                timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT) -> FSDPHandle:
+    """The compressed exchange of every step between the replicas of an FSDP2-sharded ``model`` (the row of
+    :func:`~lightning_gradcomp.wiring.attach_exchange` that :func:`~lightning_gradcomp.register_fsdp` and the
+    sharded strategies take): each FSDP module's all-reduce hook exchanges its replica shard."""
     shard_group, replicate_group = check_mesh(mesh)
-    refuse_a_second_exchange(model, "register_fsdp()")
     modules = fsdp_modules(model, "register_fsdp", hooks=True)
     names = {id(p): name for name, p in model.named_parameters()}
     layouts = []
@@ -155,14 +129,10 @@ def register_fsdp(
         _check_reduce_settings(module_name, param_group)
         layouts.append(group_layout(module_name, param_group, names))
     check_every_parameter_sharded(model, layouts)
-    timeout = check_checkpoint_timeout(timeout)
     device = next(model.parameters()).device
-    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
-                                 min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
-                                 exchange_thread=False, device=device, caller="register_fsdp()",
-                                 settings={"shard layout": shard_layout(model),
-                                           "FSDP modules": fsdp_module_layout(layouts)})
-    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    hook_state = ExchangeSession(**options.keywords(), group=replicate_group, exchange_thread=False, device=device,
+                                 caller="register_fsdp()", settings={"shard layout": shard_layout(model),
+                                                                     "FSDP modules": fsdp_module_layout(layouts)})
     # residuals and state fit this mesh's shards only: a resume on another split drops them, saying so
     hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
     handle = FSDPHandle(hook_state, hook_state.compressor, device, layouts)
@@ -173,7 +143,6 @@ def register_fsdp(
         module.set_reduce_scatter_unused_params(True, recurse=False)
         if layout.slots:
             module.set_all_reduce_hook(handle.all_reduce_hook(layout, param_group))
-    hold(model, handle, "register_fsdp()")
     return handle
 
 

@@ -34,14 +34,11 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.ddp.handle import GradCompHandle, register
-from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.ddp.handle import GradCompHandle
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
-    check_fault_tolerance,
-    check_global_device_option,
     group_sampler_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -52,10 +49,10 @@ from lightning_gradcomp.lightning.options import (
 )
 from lightning_gradcomp.lightning.options import check_fit_setup
 from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
-from lightning_gradcomp.ddp.hook import no_communication_hook
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import attach, attach_fault_tolerant, LocalUpdateHandle
+from lightning_gradcomp.local.handle import LocalUpdateHandle
+from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
 
 
 #: Options of :class:`~lightning_gradcomp.GradCompStrategy` that Fabric's strategy does not take.
@@ -108,7 +105,7 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self.telemetry = check_bool(telemetry, "telemetry")
-        self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
         self.exchange_thread = None if exchange_thread is None else check_bool(exchange_thread, "exchange_thread")
         trainer_only = sorted(set(kwargs) & set(TRAINER_ONLY_OPTIONS))
         if trainer_only:
@@ -174,27 +171,11 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
             raise ValueError("GradCompFabricStrategy compresses the gradients of one model; a second model was "
                              "set up (allowed: one fabric.setup(model, ...) per Fabric)")
         ddp = super().setup_module(module)
-        options = self.options
-        if self.fault_tolerance is not None:  # this Fabric is one replica group; the quorum is taken now
-            self.gradcomp = attach_fault_tolerant(module, [], self.local_updates, options.compressor,
-                                                  self.fault_tolerance, error_feedback=options.error_feedback,
-                                                  min_compress_numel=options.min_compress_numel, seed=options.seed,
-                                                  global_device=self.global_device)
-            if self.world_size == 1:  # else DDP's own all-reduce keeps the group's processes equal
-                ddp.register_comm_hook(None, no_communication_hook)
-        elif self.local_updates is not None:
-            self.gradcomp = attach(module, [], self.local_updates, options.compressor, options.error_feedback,
-                                   options.min_compress_numel, options.seed, group=ddp.process_group,
-                                   global_device=self.global_device)
-            # the handle's own state_dict() (gathered; fabric.save writes parts instead) called on some ranks
-            # only: CheckpointTimeout after this, not the process group's timeout
-            self.gradcomp.checkpoint_group = checkpoint_group(ddp.process_group, DEFAULT_CHECKPOINT_TIMEOUT)
-            ddp.register_comm_hook(None, no_communication_hook)
-        else:
-            self.gradcomp = register(ddp, options.compressor, error_feedback=options.error_feedback,
-                                     min_compress_numel=options.min_compress_numel, seed=options.seed,
-                                     exchange_thread=self.exchange_thread)
-        self.gradcomp.hook_state.telemetry = self.telemetry
+        # under fault tolerance this Fabric is one replica group; the quorum is taken now
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+                            exchange_thread=self.exchange_thread, telemetry=self.telemetry,
+                            caller="GradCompFabricStrategy")
+        self.gradcomp = attach_exchange(module, plan, ddp=ddp)
         if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.counted_by_strategy = "GradCompFabricStrategy(local_updates=...)"
         self._restore_pending_entry()

@@ -40,12 +40,10 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.sharding import (
     ALLOWED_OPTIONS,
-    attach_sharded_exchange,
     check_auto_wrap_policy,
     check_fully_shard_options,
     check_shard_size,
@@ -56,10 +54,9 @@ from lightning_gradcomp.lightning.sharding import (
     shard_by_policy,
     UNREADABLE_CHECKPOINT,
 )
+from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
 from lightning_gradcomp.lightning.options import (
-    check_fault_tolerance,
     check_fit_setup,
-    check_global_device_option,
     check_process_group_backend,
     check_timeout,
     group_sampler_kwargs,
@@ -117,7 +114,7 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
     ) -> None:
         refuse_options(kwargs, "GradCompFabricFSDPStrategy", ALLOWED_OPTIONS + FABRIC_OPTIONS)
         self.telemetry = check_bool(telemetry, "telemetry")
-        self.options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+        self.options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
         self.local_updates = check_local_updates(local_updates)
         self.global_device = check_global_device_option(global_device, self.local_updates)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.local_updates)
@@ -193,12 +190,9 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
         if not isinstance(module, Module):
             raise TypeError(f"`parallelize_fn` must return the nn.Module it sharded, got {type(module).__name__}")
         _materialize_distributed_module(module, self.root_device)
-        options = self.options
-        self.gradcomp = attach_sharded_exchange(
-            module, self.device_mesh, options.compressor, self.local_updates, self.fault_tolerance, self.global_device,
-            error_feedback=options.error_feedback, min_compress_numel=options.min_compress_numel, seed=options.seed,
-            timeout=DEFAULT_CHECKPOINT_TIMEOUT)  # the handle's state_dict() on some ranks only: 5 minutes
-        self.gradcomp.hook_state.telemetry = self.telemetry
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+                            telemetry=self.telemetry, caller="GradCompFabricFSDPStrategy")
+        self.gradcomp = attach_exchange(module, plan, mesh=self.device_mesh)
         if isinstance(self.gradcomp, LocalUpdateHandle):
             self.gradcomp.counted_by_strategy = "GradCompFabricFSDPStrategy(local_updates=...)"
         self._restore_pending_entry()

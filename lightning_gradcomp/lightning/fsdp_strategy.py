@@ -54,11 +54,9 @@ from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failur
 from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
 from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_divides: tests import it here
-    attach_sharded_exchange,
     check_auto_wrap_policy,
     check_fully_shard_options,
     check_shard_size,
-    check_world_divides,
     is_fsdp_module,
     refuse_fsdp1,
     refuse_options,
@@ -67,9 +65,8 @@ from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_
     shard_by_policy,
     UNREADABLE_CHECKPOINT,
 )
+from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
 from lightning_gradcomp.lightning.options import (
-    check_fault_tolerance,
-    check_global_device_option,
     group_sampler_kwargs,
     check_fit_setup,
     check_gradient_clipping,
@@ -282,13 +279,13 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         self._start_showing_global_model(trainer)
 
     def _attach_exchange(self) -> None:
-        """The exchange between the replicas, on the LightningModule (see :func:`attach_sharded_exchange`)."""
+        """The exchange between the replicas, on the LightningModule (the sharded rows of
+        :func:`~lightning_gradcomp.wiring.attach_exchange`)."""
         if self.gradcomp is not None:
             self.gradcomp.close()
-        self.gradcomp = attach_sharded_exchange(
-            self.lightning_module, self.device_mesh, self.compressor, self.local_updates, self.fault_tolerance,
-            self.global_device, error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
-            seed=self.seed, timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT)
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+                            timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT, caller="GradCompFSDPStrategy")
+        self.gradcomp = attach_exchange(self.lightning_module, plan, mesh=self.device_mesh)
 
     def _check_optimizers(self, trainer: Any) -> None:
         """Refuse settings that would train something else (see :func:`check_fit_setup`) and bind the

@@ -18,17 +18,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.options import exchange_options
-from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance, torchft_module
-from lightning_gradcomp.local.handle import check_global_device
+from lightning_gradcomp.exchange.options import ExchangeOptions
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
                        min_compress_numel: int, seed: int, log_stats: bool, print_summary: bool) -> None:
-    """Validate the options both strategies share and set them as the strategy's attributes
-    (``compressor``, ``error_feedback``, ``min_compress_numel``, ``seed``, ``log_stats``, ``print_summary``)."""
-    options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+    """Validate the options both strategies share and set them as the strategy's attributes (``options``, the
+    :class:`~lightning_gradcomp.ExchangeOptions`, and its ``compressor``, ``error_feedback``,
+    ``min_compress_numel``, ``seed``; ``log_stats``, ``print_summary``)."""
+    options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
+    strategy.options = options
     strategy.compressor = options.compressor
     strategy.error_feedback = options.error_feedback
     strategy.min_compress_numel = options.min_compress_numel
@@ -197,23 +197,3 @@ def group_sampler_kwargs(kwargs: dict[str, Any], fault_tolerance: Optional[Fault
     return kwargs
 
 
-def check_fault_tolerance(value: Any, local_updates: Optional[LocalUpdates]) -> Optional[FaultTolerance]:
-    """``None``, or a :class:`FaultTolerance` with ``local_updates`` (torchft installed)."""
-    if value is None:
-        return None
-    if not isinstance(value, FaultTolerance):
-        raise ValueError(f"`fault_tolerance` must be None or a lightning_gradcomp.FaultTolerance(...), got {value!r}")
-    if local_updates is None:
-        raise ValueError("`fault_tolerance` runs the synchronisations of local updates through torchft; allowed "
-                         "without local_updates: fault_tolerance=None")
-    torchft_module()
-    return value
-
-
-def check_global_device_option(global_device: Any, local_updates: Any) -> Optional[Any]:
-    """A strategy's ``global_device``: where θ_global lives under local updates (``None`` or ``"cpu"``);
-    refused without ``local_updates``, where there is no θ_global."""
-    if global_device is not None and local_updates is None:
-        raise ValueError("`global_device` places θ_global under local updates; allowed without local_updates: "
-                         "global_device=None (or set local_updates=H)")
-    return check_global_device(global_device)

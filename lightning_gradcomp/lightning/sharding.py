@@ -6,18 +6,12 @@ module they both import must be complete before that happens)."""
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-import torch
 from torch import nn
 
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.fsdp2 import MESH_DIMS
-from lightning_gradcomp.fsdp.handle import FSDPHandle, register_fsdp
-from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
-from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
+from lightning_gradcomp.local.handle import FaultTolerantHandle
 
 #: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
 REFUSED_OPTIONS = {
@@ -68,21 +62,6 @@ def replica_mesh(strategy: str, world_size: int, num_processes: int, shard_size:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
-
-
-def attach_sharded_exchange(module: nn.Module, mesh: Any, compressor: Union[Compressor, str],
-                            local_updates: Optional[LocalUpdates], fault_tolerance: Optional[FaultTolerance],
-                            global_device: Optional[torch.device], **options: Any) -> Union[FSDPHandle, LocalUpdateHandle]:
-    """The exchange between the replicas of a sharded ``module``, for the Trainer's and Fabric's sharded
-    strategies: :func:`register_fsdp` every step, local updates on the shards, or under fault tolerance
-    (this job one replica group; the quorum is taken now). ``options``: ``error_feedback``,
-    ``min_compress_numel``, ``seed``, ``timeout``. The inner optimizers are counted by the caller."""
-    if fault_tolerance is not None:
-        return attach_fault_tolerant_sharded(module, [], local_updates, compressor, fault_tolerance,
-                                             global_device=global_device, **options)
-    if local_updates is not None:
-        return attach_sharded(module, mesh, local_updates, compressor, global_device=global_device, **options)
-    return register_fsdp(module, mesh, compressor, **options)
 
 
 def replicas_exchanging(handle: Any, mesh: Any) -> int:

@@ -29,9 +29,8 @@ from lightning_gradcomp.exchange.checkpoint import (
     save_part,
     saved_states,
 )
-from lightning_gradcomp.ddp.handle import check_reducer
-from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState, check_hierarchy, node_groups
-from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook, no_communication_hook
+from lightning_gradcomp.ddp.hierarchy import check_hierarchy, node_groups
+from lightning_gradcomp.exchange.handle import ExchangeHandle, GradientHandle
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
@@ -42,12 +41,11 @@ from lightning_gradcomp.lightning.step_figures import (
 )
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
-from lightning_gradcomp.local.handle import LOCAL_STATE_DROPPED
+from lightning_gradcomp.local.handle import LOCAL_STATE_DROPPED, LocalUpdateHandle
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
+from lightning_gradcomp.wiring.plan import check_fault_tolerance, check_global_device_option
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
-    check_fault_tolerance,
-    check_global_device_option,
     group_sampler_kwargs,
     check_process_group_backend,
     check_start_method,
@@ -60,6 +58,7 @@ from lightning_gradcomp.lightning.options import (
 from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
 from lightning_gradcomp.lightning.summary import print_fit_summary
 from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.wiring.plan import attach_exchange, ExchangePlan
 
 if TYPE_CHECKING:
     from lightning_gradcomp.lightning.simulation import GradCompSimStrategy
@@ -184,6 +183,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             start_method=start_method,
             **kwargs,
         )
+        self.gradcomp: Optional[ExchangeHandle] = None
         self.hook_state: Optional[ExchangeSession] = None
         self.local_loop: Optional[LocalUpdateLoop] = None
         self._pending_local: Optional[dict[str, Any]] = None
@@ -245,10 +245,12 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.local_loop is None:
+        if trainer.state.fn == TrainerFn.FITTING and isinstance(self.gradcomp, GradientHandle):
             check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin,
-                            names={id(p): name for name, p in self.lightning_module.named_parameters()})
+                            names=self.gradcomp.param_names)
             check_gradient_clipping(self.compressor, trainer)
+            for optimizer in self.optimizers:
+                self.gradcomp.bind(optimizer)
         self._start_showing_global_model(trainer)
 
     @override
@@ -256,42 +258,21 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         # DDPStrategy registers hooks only on CUDA; gloo on CPU supports them just as well.
         assert isinstance(self.model, DistributedDataParallel)
         assert self.lightning_module is not None
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        check_reducer(self.model)
-        options = {"error_feedback": self.error_feedback, "min_compress_numel": self.min_compress_numel,
-                   "seed": self.seed, "exchange_thread": self.exchange_thread}
-        if self.local_updates is not None:
-            # the overlapped exchanges (delay > 0) on a thread of their own group; under fault tolerance on
-            # torchft's group (the loop hands it over)
-            thread = self.local_updates.delay > 0 and self.fault_tolerance is None
-            self.hook_state = ExchangeSession(self.compressor, device=self.root_device,
-                                              **{**options, "exchange_thread": thread},
-                                              settings=self.local_updates.settings(), caller="GradCompStrategy")
-            if self.fault_tolerance is not None:  # this Trainer is one replica group; the quorum is taken now
-                self.local_loop = FaultTolerantLoop(self.lightning_module, self.local_updates, self.hook_state,
-                                                    self.fault_tolerance, global_device=self.global_device)
-            else:
-                self.local_loop = LocalUpdateLoop(self.lightning_module, self.local_updates, self.hook_state,
-                                                  global_device=self.global_device)
-            self._restore_pending()
-            if self.fault_tolerance is None or self.world_size == 1:
-                self.model.register_comm_hook(None, no_communication_hook)
-            # else: a replica group of several processes, kept equal by DDP's own all-reduce inside the group
-            return
-        if self.hierarchy == "node":
+        groups = None
+        if self.hierarchy == "node" and self.local_updates is None:
             if self.num_nodes == 1:
                 rank_zero_warn("GradCompStrategy(hierarchy='node') on one node: gradients are all-reduced dense "
                                "inside the node (twice DDP's bytes), then still compressed, with error feedback, by "
                                "a 'cross-node' exchange of one node, and the figures count only that exchange's "
                                "bytes; use hierarchy='none' on one node")
-            intra, cross = node_groups(self.num_nodes, self.num_processes)
-            self.hook_state = HierarchicalHookState(self.compressor, names, intra_group=intra, cross_group=cross,
-                                                    **options)
-        else:
-            self.hook_state = GradCompHookState(self.compressor, names, device=self.root_device, **options,
-                                                caller="GradCompStrategy")
+            groups = node_groups(self.num_nodes, self.num_processes)
+        # under fault tolerance this Trainer is one replica group; the quorum is taken now
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+                            exchange_thread=self.exchange_thread, caller="GradCompStrategy")
+        self.gradcomp = attach_exchange(self.lightning_module, plan, ddp=self.model, node_groups=groups)
+        self.hook_state = self.gradcomp.hook_state
+        self.local_loop = self.gradcomp.loop if isinstance(self.gradcomp, LocalUpdateHandle) else None
         self._restore_pending()
-        self.model.register_comm_hook(self.hook_state, gradcomp_hook)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
@@ -338,10 +319,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
 
     @override
     def teardown(self) -> None:
-        if self.local_loop is not None:
-            self.local_loop.forget_first_use()
-        if isinstance(self.local_loop, FaultTolerantLoop):
-            self.local_loop.shutdown()  # leave the quorum: the other groups go on
+        if self.gradcomp is not None:  # under fault tolerance: leave the quorum, the other groups go on
+            self.gradcomp.close()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpointing

@@ -4,7 +4,6 @@ on it (``local_updates=`` of :class:`~lightning_gradcomp.GradCompStrategy`)."""
 
 from lightning_gradcomp.local.config import LocalUpdates, diloco_outer_optimizer
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.api import local_updates
 from lightning_gradcomp.local.handle import LocalUpdateHandle
 from lightning_gradcomp.local.loop import LocalUpdateLoop
 from lightning_gradcomp.local.outer import OuterModel
@@ -12,5 +11,4 @@ from lightning_gradcomp.local.sharded import ShardedLocalUpdateHandle, ShardedLo
 from lightning_gradcomp.local.simulated import SimulatedLocalUpdates
 
 __all__ = ["FaultTolerance", "LocalUpdateHandle", "LocalUpdateLoop", "LocalUpdates", "OuterModel",
-           "ShardedLocalUpdateHandle", "ShardedLocalUpdateLoop", "SimulatedLocalUpdates", "diloco_outer_optimizer",
-           "local_updates"]
+           "ShardedLocalUpdateHandle", "ShardedLocalUpdateLoop", "SimulatedLocalUpdates", "diloco_outer_optimizer"]

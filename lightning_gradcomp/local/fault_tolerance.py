@@ -21,7 +21,7 @@ A whole model on a group of several processes (DDP inside the group, which keeps
 rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
 the other groups, and the averages are broadcast inside the group, so the bytes between groups are one
 model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
-model's ranks each exchange their shard (:class:`~lightning_gradcomp.local.sharded.FaultTolerantShardedLoop`).
+model's ranks each exchange their shard (the loop's layout: :class:`~lightning_gradcomp.local.sharded.ShardsOfModel`).
 
 The grace period: a group that is alive but late (a stall, a slow machine) is left out of a synchronisation
 after the lighthouse's ``--join_timeout_ms``: once ``--min_replicas`` groups asked for the quorum, the lighthouse
@@ -60,7 +60,7 @@ from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver, world_collective_device
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync
+from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync, WholeModel
 from lightning_gradcomp.local.windows import group_figures, GroupFigures
 
 #: the command the refusal without torchft names
@@ -325,16 +325,15 @@ class FaultTolerantLoop(LocalUpdateLoop):
         global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
     """
 
-    #: whether the group's processes shard the model (each exchanges its shard); else each holds the whole
-    #: model, kept equal inside the group by DistributedDataParallel, and they split the exchange
-    shards_the_model = False
-
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
-                 fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None) -> None:
-        super().__init__(module, config, exchange, global_device=global_device)
-        #: with a whole model on several processes: each parameter's row blocks, one per rank of the group
+                 fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None,
+                 layout: Optional[WholeModel] = None) -> None:
+        super().__init__(module, config, exchange, global_device=global_device, layout=layout)
+        #: with a whole model on several processes (kept equal inside the group by DistributedDataParallel):
+        #: each parameter's row blocks, one per rank of the group, which split the exchange between them (the
+        #: ranks of a sharded layout each exchange their shard)
         self.blocks: Optional[list[list[RowBlock]]] = None
-        if not self.shards_the_model and dist.get_world_size() > 1:
+        if not self.layout.shards and dist.get_world_size() > 1:
             self.blocks = [row_blocks(tuple(p.shape), dist.get_world_size()) for p in self.params]
         self.driver = ReconfigurableDriver()
         exchange.use_driver(self.driver)

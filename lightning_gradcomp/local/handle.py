@@ -1,6 +1,5 @@
-"""Plain PyTorch: local-update training of a bare model and its optimizer, in one call.
-
-::
+"""The local-update adapter's handle and its builders (the rows of :func:`~lightning_gradcomp.wiring.attach_exchange`
+for a whole model); the public entry point is :func:`lightning_gradcomp.local_updates`::
 
     dist.init_process_group("gloo")                     # or torchrun's environment, nccl
     model = Net().to(device)
@@ -28,23 +27,20 @@ from __future__ import annotations
 
 import gc
 import warnings
-from datetime import timedelta
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import (
-    check_checkpoint_timeout,
-    checkpoint_group,
-    DEFAULT_CHECKPOINT_TIMEOUT,
-    restore_entry,
-)
 from lightning_gradcomp.exchange.agreement import check_agreement, model_layout
-from lightning_gradcomp.exchange.handle import ExchangeHandle
+from lightning_gradcomp.exchange.checkpoint import restore_entry
+from lightning_gradcomp.exchange.handle import (
+    ExchangeHandle,
+    refuse_parameters_replaced_by_sharding,
+    steps_the_model,
+)
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import (
@@ -53,7 +49,7 @@ from lightning_gradcomp.local.fault_tolerance import (
     MembershipFigures,
     torchft_module,
 )
-from lightning_gradcomp.local.loop import LocalUpdateLoop
+from lightning_gradcomp.local.loop import LocalUpdateLoop, WholeModel
 
 
 #: the warning of a resume that keeps the counters only (another number of workers, compressor or layout)
@@ -306,71 +302,31 @@ class FaultTolerantHandle(LocalUpdateHandle):
         self.loop.shutdown()
 
 
-def replicated_local_updates(
-    model: torch.nn.Module,
-    optimizers: list[Optimizer],
-    config: LocalUpdates,
-    compressor: Union[Compressor, str],
-    *,
-    error_feedback: Optional[bool],
-    min_compress_numel: int,
-    seed: int,
-    group: Optional[dist.ProcessGroup],
-    telemetry: bool,
-    timeout: Union[timedelta, float],
-    global_device: Optional[Union[str, torch.device]],
-    fault_tolerance: Optional[FaultTolerance],
-) -> LocalUpdateHandle:
-    """:func:`~lightning_gradcomp.local.api.local_updates` of a whole model on this rank of ``group`` (default:
-    the world), or of one fault-tolerant replica group (the arguments are described there)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
-                           "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
-    timeout = check_checkpoint_timeout(timeout)
-    if fault_tolerance is not None and dist.get_world_size() > 1:  # a replica group of several processes: DDP inside
-        return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
-                                     min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                     timeout=timeout, group=group, global_device=global_device, ddp_inside=True)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
-                         "DistributedDataParallel is not wanted (pass ddp.module, and call it in the loop)")
-    refuse_gradient_all_reduce(model)
-    if fault_tolerance is not None:
-        return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
-                               min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry, timeout=timeout,
-                               group=group, global_device=global_device)
-    # the ranks agree on the model before the broadcast that makes them equal (a rank that never comes is
-    # named within GRADCOMP_WAIT_TIMEOUT; differently shaped models would broadcast silently on gloo)
-    check_agreement({"entry point": "local_updates()", **model_layout(model)}, group, caller="local_updates()")
-    broadcast_from_first_rank(model, group)
-    handle = attach(model, optimizers, config, compressor, error_feedback=error_feedback,
-                    min_compress_numel=min_compress_numel, seed=seed, group=group, refuse_ddp=True,
-                    global_device=check_global_device(global_device))
-    handle.hook_state.telemetry = check_bool(telemetry, "telemetry")
-    handle.checkpoint_group = checkpoint_group(group, timeout)
-    if optimizers:
-        handle.count_optimizer_steps(optimizers[0])
-    return handle
+def attach(module: torch.nn.Module, config: LocalUpdates, options: ExchangeOptions, *,
+           group: Optional[dist.ProcessGroup] = None, global_device: Optional[torch.device] = None,
+           refuse_ddp: bool = False, caller: str = "local_updates()") -> LocalUpdateHandle:
+    """The outer loop of a whole ``module`` on this rank of ``group``, whose ranks hold the same values now
+    (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
+    step, see :func:`refuse_gradient_all_reduce`). The overlapped exchanges (``delay > 0``) run on the
+    session's thread."""
+    device = next(module.parameters()).device
+    session = ExchangeSession(**options.keywords(), group=group, exchange_thread=config.delay > 0, device=device,
+                              settings=config.settings(), caller=caller)
+    loop = LocalUpdateLoop(module, config, session, global_device=global_device)
+    return LocalUpdateHandle(loop, [], device, refuse_ddp)
 
 
-def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], config: LocalUpdates,
-                          compressor: Union[Compressor, str], fault_tolerance: Any, *, error_feedback: Optional[bool] = None,
-                          min_compress_numel: int = 1024, seed: int = 0, telemetry: bool = False,
-                          timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, group: Optional[dist.ProcessGroup] = None,
-                          global_device: Optional[Any] = None, loop_class: type[FaultTolerantLoop] = FaultTolerantLoop,
-                          layout: Optional[str] = None, ddp_inside: bool = False) -> FaultTolerantHandle:
-    """:func:`local_updates` for one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
-    with ``optimizers`` empty, the caller counts the steps (``handle.step()``), as the Fabric strategy does.
-    ``loop_class``: the outer loop (an FSDP2 model's shards: the FSDP layer's); ``layout``: the exchange layout
-    its checkpoints record; ``ddp_inside``: the group's processes keep ``model`` equal with a
-    ``DistributedDataParallel`` wrapper (``model`` may be the wrapper), checked at the first step."""
-    if not isinstance(fault_tolerance, FaultTolerance):
-        raise ValueError(f"`fault_tolerance` must be None or a FaultTolerance(lighthouse=..., replica_id=...), got "
-                         f"{fault_tolerance!r}")
-    if group is not None:
-        raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
-                         "group=None")
-    global_device = check_global_device(global_device)
+def attach_fault_tolerant(model: torch.nn.Module, config: LocalUpdates, options: ExchangeOptions,
+                          fault_tolerance: FaultTolerance, *, global_device: Optional[torch.device] = None,
+                          model_layout: Optional[WholeModel] = None, checkpoint_layout: Optional[str] = None,
+                          ddp_inside: bool = False, caller: str = "local_updates(fault_tolerance=...)"
+                          ) -> FaultTolerantHandle:
+    """The outer loop of one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
+    the quorum is taken now. ``model_layout``: how each rank holds the model (an FSDP2 model's shards:
+    :class:`~lightning_gradcomp.local.sharded.ShardsOfModel`; default whole); ``checkpoint_layout``: the
+    exchange layout its checkpoints record; ``ddp_inside``: the group's processes keep ``model`` equal with a
+    ``DistributedDataParallel`` wrapper of their own making (``model`` may be the wrapper): they start equal
+    now, and the wrapper is checked at the first step."""
     torchft_module()
     fault_tolerance = fault_tolerance.for_group()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -379,36 +335,61 @@ def attach_fault_tolerant(model: torch.nn.Module, optimizers: list[Optimizer], c
         broadcast_from_first_rank(model)  # the group's replicas start equal, wrapped in DDP now or later
     device = next(model.parameters()).device
     # no exchange thread of its own: the loop runs the overlapped exchanges (delay > 0) on torchft's group
-    hook_state = ExchangeSession(compressor, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                                 seed=seed, exchange_thread=False, device=device, settings=config.settings(),
-                                 caller="local_updates(fault_tolerance=...)")
-    hook_state.telemetry = check_bool(telemetry, "telemetry")
-    if layout is not None:
-        hook_state.layout = layout
-    loop = loop_class(model, config, hook_state, fault_tolerance, global_device=global_device)
-    handle = FaultTolerantHandle(loop, optimizers, device)
+    session = ExchangeSession(**options.keywords(), exchange_thread=False, device=device, settings=config.settings(),
+                              caller=caller)
+    if checkpoint_layout is not None:
+        session.layout = checkpoint_layout
+    loop = FaultTolerantLoop(model, config, session, fault_tolerance, global_device=global_device, layout=model_layout)
+    handle = FaultTolerantHandle(loop, [], device)
     if ddp_inside:
         handle.wrapper_check = require_gradient_all_reduce
-    handle.checkpoint_group = checkpoint_group(None, timeout)
-    if optimizers:
-        handle.count_optimizer_steps(optimizers[0])
     return handle
 
 
-def attach(module: torch.nn.Module, optimizers: Sequence[Optimizer], config: LocalUpdates,
-           compressor: Union[Compressor, str], error_feedback: Optional[bool] = None, min_compress_numel: int = 1024,
-           seed: int = 0, group: Optional[dist.ProcessGroup] = None, refuse_ddp: bool = False,
-           global_device: Optional[Union[str, torch.device]] = None) -> LocalUpdateHandle:
-    """The outer loop of ``module`` on this rank of ``group``, whose ranks hold the same values now
-    (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
-    step, see :func:`refuse_gradient_all_reduce`)."""
-    device = next(module.parameters()).device
-    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
-                                 min_compress_numel=min_compress_numel, seed=seed, group=group,
-                                 exchange_thread=config.delay > 0, device=device, settings=config.settings(),
-                                 caller="local_updates()")
-    loop = LocalUpdateLoop(module, config, hook_state, global_device=global_device)
-    return LocalUpdateHandle(loop, optimizers, device, refuse_ddp)
+def start_replicas_equal(model: torch.nn.Module, group: Optional[dist.ProcessGroup], caller: str) -> None:
+    """A bare model trained with local updates on every rank of ``group``: no ``DistributedDataParallel`` may
+    drive it (:func:`refuse_driving_by_ddp`), and every rank starts from the first rank's values. The
+    ranks agree on the model before the broadcast (a rank that never comes is named within
+    ``GRADCOMP_WAIT_TIMEOUT``; differently shaped models would broadcast silently on gloo)."""
+    refuse_driving_by_ddp(model)
+    check_agreement({"entry point": caller, **model_layout(model)}, group, caller=caller)
+    broadcast_from_first_rank(model, group)
+
+
+def refuse_driving_by_ddp(model: torch.nn.Module) -> None:
+    """A bare model trained with local updates: not a ``DistributedDataParallel`` wrapper, and no wrapper of it
+    may all-reduce its gradients (refused now and at the first step, :func:`refuse_gradient_all_reduce`)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("`model` must be the bare model: local updates do not all-reduce gradients, so "
+                         "DistributedDataParallel is not wanted (pass ddp.module, and call it in the loop)")
+    refuse_gradient_all_reduce(model)
+
+
+def check_optimizers(optimizers: object) -> list[Optimizer]:
+    """``optimizers`` as a non-empty list of ``torch.optim.Optimizer``: the first one's steps count the window,
+    so with none no synchronisation would ever happen."""
+    if isinstance(optimizers, Optimizer):
+        return [optimizers]
+    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else None
+    if not listed or not all(isinstance(optimizer, Optimizer) for optimizer in listed):
+        raise ValueError(
+            "`optimizers` must be the inner torch.optim.Optimizer that steps the model, or a non-empty list of them "
+            "(the first one's steps count the window: with none, no synchronisation would ever happen); got "
+            f"{optimizers!r:.80}")
+    return listed
+
+
+def check_steps_the_model(optimizer: Optimizer, model: torch.nn.Module) -> None:
+    """Refuse an inner optimizer (the first: its steps count the window) that steps none of ``model``'s
+    parameters: built before ``fully_shard`` replaced them, or for another model, nothing would train while
+    the windows are counted and synchronised."""
+    refuse_parameters_replaced_by_sharding(optimizer, model, "local_updates()")
+    if not steps_the_model(optimizer, model):
+        raise ValueError(
+            f"gradcomp.local_updates: the first optimizer ({type(optimizer).__name__}, whose steps count the window) "
+            "steps none of the model's parameters: nothing would train. Pass the optimizer built on this model's "
+            "parameters (after fully_shard or any wrapper that replaces them): `optimizer = "
+            "torch.optim.AdamW(model.parameters(), ...)`")
 
 
 def check_global_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:

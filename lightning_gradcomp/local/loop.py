@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -80,6 +80,51 @@ class PendingSync:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device: torch.device) -> "PendingSync":
         return cls(int(state["fragment"]), int(state["merge_at"]), [t.to(device) for t in state["averaged"]])
+
+
+class WholeModel:
+    """The layout of a model each rank holds whole (the default of :class:`LocalUpdateLoop`): the loop works on
+    the parameters themselves, ``θ_global`` is shown in them by reference (by copy where it lives on another
+    device), the inner optimizers' states are saved as they are, and each rank is its replica alone. The
+    sharded layout (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`) is the other one: a loop takes
+    its layout, so fault tolerance and the shards combine without a class for each combination."""
+
+    #: whether the replica's ranks each hold a shard of the model (and exchange it)
+    shards = False
+
+    def tensors(self, parameters: list[Tensor]) -> list[Tensor]:
+        """What the loop trains and synchronises of ``parameters``."""
+        return parameters
+
+    def show(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
+        """``values`` shown in ``tensors`` (see :meth:`ScheduledSyncs.global_weights`)."""
+        return show_in(tensors, values)
+
+    def ranks_per_replica(self) -> int:
+        """The ranks that train one replica together."""
+        return 1
+
+    def sum_within_replica(self, tensor: Tensor) -> None:
+        """Sum ``tensor`` in place over the replica's ranks (one rank: nothing to do)."""
+
+    #: the sum over the replica's shards of the outer step's verdict and norm
+    #: (:meth:`~lightning_gradcomp.local.outer.OuterModel.apply`); ``None``: the rank holds the whole model
+    sum_over_shards: Optional[Callable[[Tensor], None]] = None
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """An inner optimizer's state for this rank's checkpoint part (CPU copies)."""
+        return cpu_copy(optimizer.state_dict())
+
+    def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+
+def show_in(tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
+    """``values`` shown in ``tensors``: by reference, or by copying where ``θ_global`` lives on another device
+    than the parameters (host memory)."""
+    if any(value is not None and value.device != tensor.device for tensor, value in zip(tensors, values)):
+        return CopiedIn(tensors, values)
+    return SwappedIn(tensors, values)
 
 
 class ScheduledSyncs:
@@ -274,11 +319,8 @@ class ScheduledSyncs:
         return isinstance(self._view, CopiedIn)
 
     def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
-        """``values`` shown in ``tensors``: by reference, or by copying where ``θ_global`` lives on another
-        device than the parameters (host memory)."""
-        if any(value is not None and value.device != tensor.device for tensor, value in zip(tensors, values)):
-            return CopiedIn(tensors, values)
-        return SwappedIn(tensors, values)
+        """``values`` shown in ``tensors`` (:func:`show_in`)."""
+        return show_in(tensors, values)
 
     @contextmanager
     def _replica_shown(self) -> Iterator[None]:
@@ -348,14 +390,17 @@ class LocalUpdateLoop(ScheduledSyncs):
             the strategy's ``hook_state`` in checkpoints and callbacks, as for per-step compression.
         global_device: where ``θ_global`` and the outer optimizer's state live (default: the parameters'
             device; ``"cpu"``: host memory).
+        layout: how the rank holds the model: whole (:class:`WholeModel`, the default) or its FSDP2 shards
+            (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`).
 
     Attributes:
         synced: whether the last :meth:`step` merged a synchronisation.
     """
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
-                 global_device: Optional[Union[str, torch.device]] = None) -> None:
+                 global_device: Optional[Union[str, torch.device]] = None, layout: Optional[WholeModel] = None) -> None:
         self.module = module
+        self.layout = layout if layout is not None else WholeModel()
         named = trainable_parameters(module)
         self.names = [name for name, _ in named]
         self._parameters = [p for _, p in named]
@@ -380,8 +425,15 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     @property
     def params(self) -> list[Tensor]:  # type: ignore[override]
-        """The tensors this rank trains and synchronises, in the order of :attr:`names`."""
-        return self._parameters
+        """The tensors this rank trains and synchronises, in the order of :attr:`names` (a sharded layout reads
+        the local shards afresh each time: FSDP2 may re-point them at new storage)."""
+        return self.layout.tensors(self._parameters)
+
+    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
+        return self.layout.show(tensors, values)
+
+    def _ranks_per_group(self) -> int:
+        return self.layout.ranks_per_replica()
 
     @property
     def sync_every(self) -> int:
@@ -488,6 +540,7 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     def _sum_within_group(self, tensor: Tensor) -> None:
         """Sum ``tensor`` over the ranks of this rank's replica (see :meth:`_ranks_per_group`)."""
+        self.layout.sum_within_replica(tensor)
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
         """What this rank hands the engine: each parameter's flat outer gradient and where its average goes
@@ -504,7 +557,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.pending.remove(pending)
         self._average_buffers(pending.fragment)
         indices = self.outer.members(pending.fragment)
-        applied = self.outer.apply(pending.averaged, indices)
+        applied = self.outer.apply(pending.averaged, indices, self.layout.sum_over_shards)
         self.outer.merge(self.params, indices, self.outer.alpha if applied else 0.0)
         self.synced = True
 
@@ -533,14 +586,16 @@ class LocalUpdateLoop(ScheduledSyncs):
         synchronisations started but not merged (their averages; waits for them). Inside
         :meth:`global_weights` too, it holds the replica."""
         with self._replica_shown():
-            return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer),
+            return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer,
+                                  self.layout.optimizer_state),
                     "pending": [pending.state_dict() for pending in self.pending],
                     "global_buffers": self.global_buffers.state_dict(), "counts": self.clock.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
         self._adopt_saved_fragments(state.get("outer"))
         with self._replica_shown():
-            load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer)
+            load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer,
+                             self.layout.load_optimizer_state)
         self.global_buffers.load_state_dict(state.get("global_buffers"))
         self.clock.load_state_dict(state.get("counts"))
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -567,18 +622,22 @@ def sync_buckets(entries: list[Entry], cap: int = SYNC_BUCKET_BYTES) -> list[lis
 
 
 def local_state(names: Sequence[str], params: Sequence[Tensor], buffers: Sequence[tuple[str, Tensor]],
-                optimizers: Sequence[Optimizer], outer: Optional[OuterModel]) -> dict[str, Any]:
+                optimizers: Sequence[Optimizer], outer: Optional[OuterModel],
+                optimizer_state: Callable[[Optimizer], dict[str, Any]] = WholeModel().optimizer_state
+                ) -> dict[str, Any]:
     """One worker's local-update state (CPU copies): parameters, buffers, inner optimizers, outer state."""
     return {"params": {name: p.detach().cpu().clone() for name, p in zip(names, params)},
             "buffers": {name: b.detach().cpu().clone() for name, b in buffers},
-            "optimizers": [cpu_copy(optimizer.state_dict()) for optimizer in optimizers],
+            "optimizers": [optimizer_state(optimizer) for optimizer in optimizers],
             "outer": outer.state_dict() if outer is not None else None}
 
 
 @torch.no_grad()
 def load_local_state(state: dict[str, Any], names: Sequence[str], params: Sequence[Tensor],
                      buffers: Sequence[tuple[str, Tensor]], optimizers: Sequence[Optimizer],
-                     outer: Optional[OuterModel]) -> None:
+                     outer: Optional[OuterModel],
+                     load_optimizer_state: Callable[[Optimizer, dict[str, Any]], None] = WholeModel().load_optimizer_state
+                     ) -> None:
     """Restore a :func:`local_state` into a worker's parameters, buffers, optimizers and ``outer``."""
     saved = state["params"]
     missing = sorted(set(names) - set(saved))
@@ -593,6 +652,6 @@ def load_local_state(state: dict[str, Any], names: Sequence[str], params: Sequen
         raise ValueError(f"gradcomp: the checkpoint holds {len(state['optimizers'])} inner optimizer states, the run "
                          f"has {len(optimizers)} optimizers")
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
-        optimizer.load_state_dict(optimizer_state)
+        load_optimizer_state(optimizer, optimizer_state)
     if outer is not None and state.get("outer") is not None:
         outer.load_state_dict(state["outer"])

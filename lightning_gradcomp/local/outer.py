@@ -70,9 +70,6 @@ class OuterModel:
         self.syncs = 0
         #: ``‖Δ̄‖₂`` of the last synchronisation (``nan`` before the first, or when it was not finite)
         self.last_norm = math.nan
-        #: for a sharded model, sums a tensor in place over the other shards of the replica (a collective), so
-        #: that every shard skips or applies a synchronisation alike and :attr:`last_norm` is the model's
-        self.sum_over_shards: Optional[Callable[[Tensor], None]] = None
         #: per fragment, the inner step at which its last exchange started and the one at which it merged
         self.started_at = [0] * self.fragments
         self.merged_at = [0] * self.fragments
@@ -187,15 +184,18 @@ class OuterModel:
                  - params[i].detach().to(self.global_params[i].dtype)).view(-1) for i in indices]
 
     @torch.no_grad()
-    def apply(self, averaged: Sequence[Tensor], indices: Sequence[int]) -> bool:
+    def apply(self, averaged: Sequence[Tensor], indices: Sequence[int],
+              sum_over_shards: Optional[Callable[[Tensor], None]] = None) -> bool:
         """The outer step of the parameters ``indices`` along ``Δ̄`` (flat tensors, one per index; the
         optimizer skips the others, whose gradients are ``None``). Whether it was applied (``False``: ``Δ̄``
-        was not finite, the step skipped with a warning)."""
+        was not finite, the step skipped with a warning). ``sum_over_shards``: for a sharded model, sums a
+        tensor in place over the other shards of the replica (a collective), so that every shard skips or
+        applies the step alike and :attr:`last_norm` is the model's."""
         self.syncs += 1
         norms = torch.stack([torch.stack(torch._foreach_norm(list(averaged), 2)).square().sum(),
                              torch.stack(torch._foreach_norm(list(averaged), math.inf)).max()])
-        if self.sum_over_shards is not None:  # the other shards' figures: one verdict, one norm, for the model
-            self.sum_over_shards(norms)
+        if sum_over_shards is not None:  # the other shards' figures: one verdict, one norm, for the model
+            sum_over_shards(norms)
         squares, peak = norms.tolist()  # one host read per synchronisation
         norm = math.sqrt(squares) if math.isfinite(squares) else math.nan
         if not math.isfinite(peak):

@@ -1,4 +1,5 @@
-"""Plain PyTorch: local updates (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo) on an FSDP2-sharded model.
+"""Local updates (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo) on an FSDP2-sharded model: its loop, handle and
+builders (the sharded rows of :func:`~lightning_gradcomp.wiring.attach_exchange`).
 
 ::
 
@@ -32,7 +33,6 @@ checkpoint and ``sync()``/``global_weights()`` are those of the replicated loop
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -41,22 +41,19 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, local_shard, shard_layout, sharded_modules
-from lightning_gradcomp.exchange.checkpoint import check_checkpoint_timeout, checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, world_collective_device
 from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.fault_tolerance import FaultTolerantLoop
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.global_model import CopiedIn
 from lightning_gradcomp.local.handle import (
     attach_fault_tolerant,
-    check_global_device,
     FaultTolerantHandle,
     LocalUpdateHandle,
 )
-from lightning_gradcomp.local.loop import LocalUpdateLoop
+from lightning_gradcomp.local.loop import LocalUpdateLoop, WholeModel
 from lightning_gradcomp.local.outer import cpu_copy
 
 #: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
@@ -83,26 +80,41 @@ class ShownOnShards(CopiedIn):
             module.reshard()
 
 
-class ShardedLocalUpdateLoop(LocalUpdateLoop):
-    """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` over this rank's local shards of an FSDP2 model.
+class ShardsOfModel(WholeModel):
+    """The layout of an FSDP2 model each rank of a replica holds a shard of (see :class:`WholeModel`).
 
-    The parameters are FSDP2's sharded parameters (DTensors); :attr:`params` reads their local tensors
+    The parameters are FSDP2's sharded parameters (DTensors); the loop works on their local tensors, read
     afresh each time (FSDP2 may re-point them at new storage at its lazy initialisation), so ``θ_global``,
     ``Δ`` and the merges have the local shard's shape. ``θ_global`` is shown in the module by copying
-    (:class:`~lightning_gradcomp.local.global_model.CopiedIn`): FSDP2's all-gathers read its own storage.
+    (:class:`ShownOnShards`): FSDP2's all-gathers read its own storage. The outer step's verdict and norm are
+    summed over the replica's shards, and the inner optimizers' states travel as their local shards.
+
+    Args:
+        module: the sharded model.
+        shard_group: the replica's processes (default: the world, a fault-tolerant replica group's job).
     """
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
-                 shard_group: Optional[dist.ProcessGroup] = None,
-                 global_device: Optional[Union[str, torch.device]] = None) -> None:
-        super().__init__(module, config, exchange, global_device=global_device)
-        #: the replica's processes (default: the world, a fault-tolerant replica group's job)
-        self.shard_group = shard_group
-        self.outer.sum_over_shards = self._sum_over_shards
+    shards = True
 
-    def _sum_over_shards(self, tensor: Tensor) -> None:
-        """Sum ``tensor`` over the replica's shards (the outer step's verdict and norm are the model's); a
-        peer that died raises :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`."""
+    def __init__(self, module: torch.nn.Module, shard_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.module = module
+        self.shard_group = shard_group
+
+    def tensors(self, parameters: list[Tensor]) -> list[Tensor]:
+        return [local_shard(p) for p in parameters]
+
+    def show(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> CopiedIn:
+        return ShownOnShards(tensors, values, sharded_modules(self.module))
+
+    def ranks_per_replica(self) -> int:
+        return dist.get_world_size(self.shard_group)
+
+    def sum_within_replica(self, tensor: Tensor) -> None:
+        self.sum_over_shards(tensor)
+
+    def sum_over_shards(self, tensor: Tensor) -> None:  # type: ignore[override]
+        """Sum ``tensor`` over the replica's shards; a peer that died raises
+        :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`."""
         try:
             dist.all_reduce(tensor, group=self.shard_group)
         except Exception as error:
@@ -110,42 +122,22 @@ class ShardedLocalUpdateLoop(LocalUpdateLoop):
                 f"gradcomp: all_reduce of the outer step's verdict over the replica's shards failed on rank "
                 f"{dist.get_rank(self.shard_group)} of {dist.get_world_size(self.shard_group)}: {error}") from error
 
-    def _ranks_per_group(self) -> int:
-        return dist.get_world_size(self.shard_group)
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state(optimizer)
 
-    def _sum_within_group(self, tensor: Tensor) -> None:
-        self._sum_over_shards(tensor)
-
-    @property
-    def params(self) -> list[Tensor]:  # type: ignore[override]
-        return [local_shard(p) for p in self._parameters]
-
-    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> CopiedIn:
-        return ShownOnShards(tensors, values, sharded_modules(self.module))
-
-    def state_dict(self, optimizers: Sequence[Optimizer] = ()) -> dict[str, Any]:
-        """The replicated loop's entry, each inner optimizer's state as its local shards."""
-        state = super().state_dict(())
-        state["optimizers"] = [sharded_optimizer_state(optimizer) for optimizer in optimizers]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
-        saved = state.get("optimizers", [])
-        if len(saved) != len(optimizers):
-            raise ValueError(f"gradcomp: the checkpoint holds {len(saved)} inner optimizer states, the run has "
-                             f"{len(optimizers)} optimizers")
-        super().load_state_dict({**state, "optimizers": []}, ())
-        for optimizer, optimizer_state in zip(optimizers, saved):
-            load_sharded_optimizer_state(optimizer, optimizer_state)
+    def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        load_sharded_optimizer_state(optimizer, state)
 
 
-class FaultTolerantShardedLoop(FaultTolerantLoop, ShardedLocalUpdateLoop):
-    """Fault-tolerant local updates of an FSDP2 model: each replica group is one job whose processes shard the
-    model (its ``torch.distributed`` world); at a synchronisation each rank exchanges its local shard with the
-    same rank of the other groups over torchft's process group, and a joining group's ranks each receive
-    their shard of θ_global and of the outer state from the same rank of a live group."""
+class ShardedLocalUpdateLoop(LocalUpdateLoop):
+    """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` over this rank's local shards of an FSDP2 model
+    (the loop with the :class:`ShardsOfModel` layout)."""
 
-    shards_the_model = True
+    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
+                 shard_group: Optional[dist.ProcessGroup] = None,
+                 global_device: Optional[Union[str, torch.device]] = None) -> None:
+        super().__init__(module, config, exchange, global_device=global_device,
+                         layout=ShardsOfModel(module, shard_group))
 
 
 class ShardedLocalUpdateHandle(LocalUpdateHandle):
@@ -163,50 +155,35 @@ class ShardedLocalUpdateHandle(LocalUpdateHandle):
         return world_collective_device()
 
 
-def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdates, compressor: Union[Compressor, str],
-                   *, error_feedback: Optional[bool] = None, min_compress_numel: int = 1024, seed: int = 0,
-                   telemetry: bool = False, timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-                   global_device: Optional[Union[str, torch.device]] = None) -> ShardedLocalUpdateHandle:
+def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdates, options: ExchangeOptions, *,
+                   global_device: Optional[torch.device] = None) -> ShardedLocalUpdateHandle:
     """The outer loop of an FSDP2 model sharded over ``mesh["shard"]`` on this rank, its replicas made equal
-    now (the first replica's shards broadcast); no inner optimizer yet (set :attr:`optimizers` for the
-    checkpoint, and call ``loop.step()`` after each optimizer step, as the Trainer strategy does)."""
+    now (the first replica's shards broadcast); the outer gradients cross ``mesh["replicate"]``."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
     shard_group, replicate_group = check_mesh(mesh)
     _check_sharding(model, shard_group)
-    timeout = check_checkpoint_timeout(timeout)
-    global_device = check_global_device(global_device)
     device = next(model.parameters()).device
     _broadcast_replica(model, replicate_group)
-    hook_state = ExchangeSession(compressor, error_feedback=error_feedback,
-                                 min_compress_numel=min_compress_numel, seed=seed, group=replicate_group,
-                                 exchange_thread=config.delay > 0, device=device, caller="local_updates(mesh=...)",
-                                 settings={**config.settings(), "shard layout": shard_layout(model)})
-    hook_state.telemetry = check_bool(telemetry, "telemetry")
+    session = ExchangeSession(**options.keywords(), group=replicate_group, exchange_thread=config.delay > 0,
+                              device=device, caller="local_updates(mesh=...)",
+                              settings={**config.settings(), "shard layout": shard_layout(model)})
     # θ_global, the residuals and the outer state fit this mesh's shards only: another split drops them
-    hook_state.layout = f"local-hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
-    loop = ShardedLocalUpdateLoop(model, config, hook_state, shard_group, global_device=global_device)
-    handle = ShardedLocalUpdateHandle(loop, [], device)
-    handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
-    return handle
+    session.layout = f"local-hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
+    loop = ShardedLocalUpdateLoop(model, config, session, shard_group, global_device=global_device)
+    return ShardedLocalUpdateHandle(loop, [], device)
 
 
-def attach_fault_tolerant_sharded(model: torch.nn.Module, optimizers: list[Optimizer], config: LocalUpdates,
-                                  compressor: Union[Compressor, str], fault_tolerance: Any, *,
-                                  error_feedback: Optional[bool] = None, min_compress_numel: int = 1024, seed: int = 0,
-                                  telemetry: bool = False,
-                                  timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
-                                  global_device: Optional[Union[str, torch.device]] = None) -> FaultTolerantHandle:
-    """Local updates of an FSDP2 model sharded over this job's world, one replica group under torchft (with
-    ``optimizers`` empty the caller counts the steps, as the Trainer strategy does)."""
+def attach_fault_tolerant_sharded(model: torch.nn.Module, config: LocalUpdates, options: ExchangeOptions,
+                                  fault_tolerance: FaultTolerance, *, global_device: Optional[torch.device] = None
+                                  ) -> FaultTolerantHandle:
+    """Local updates of an FSDP2 model sharded over this job's world, one replica group under torchft."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised")
     _check_sharding(model, dist.group.WORLD)
-    return attach_fault_tolerant(model, optimizers, config, compressor, fault_tolerance, error_feedback=error_feedback,
-                                 min_compress_numel=min_compress_numel, seed=seed, telemetry=telemetry,
-                                 timeout=check_checkpoint_timeout(timeout), global_device=global_device,
-                                 loop_class=FaultTolerantShardedLoop,
-                                 layout=f"local-hsdp-ft:shard={dist.get_world_size()}")
+    return attach_fault_tolerant(model, config, options, fault_tolerance, global_device=global_device,
+                                 model_layout=ShardsOfModel(model),
+                                 checkpoint_layout=f"local-hsdp-ft:shard={dist.get_world_size()}")
 
 
 def _check_sharding(model: torch.nn.Module, shard_group: dist.ProcessGroup) -> None:

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.options import exchange_options
+from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
 from lightning_gradcomp.local.global_model import GlobalBuffers
@@ -96,7 +96,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
                  min_compress_numel: int = 1024, seed: int = 0, exchange: Optional[SimulatedExchange] = None,
                  speeds: Optional[Sequence[float]] = None, stalls: Optional[Stalls] = None) -> None:
         if exchange is None:
-            options = exchange_options(compressor, error_feedback, min_compress_numel, seed)
+            options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
             exchange = SimulatedExchange(options.compressor, workers, options.error_feedback,
                                          options.min_compress_numel, options.seed)
         self.exchange = exchange

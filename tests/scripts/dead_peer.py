@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gradcomp.ddp.hook import GradCompHookState, exchange_failures, gradcomp_hook
-from lightning_gradcomp.local import local_updates
+from lightning_gradcomp import local_updates
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""The one plain-PyTorch entry point of local updates: :func:`local_updates`, for a whole model, a sharded
-one and a fault-tolerant replica group of either (see :mod:`lightning_gradcomp.local.handle` and
-:mod:`lightning_gradcomp.local.sharded` for the two layouts)."""
+"""The plain PyTorch entry points: :func:`register` (DDP), :func:`register_fsdp` (compressed HSDP) and
+:func:`local_updates` (DiLoCo and its family, whole or sharded, fault-tolerant or not). Each takes the
+keywords of :class:`~lightning_gradcomp.ExchangeOptions` and its own, checks what only it can, and calls
+the one wiring, :func:`~lightning_gradcomp.wiring.plan.attach_exchange`."""
 
 from __future__ import annotations
 
@@ -10,21 +11,90 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.fsdp2 import sharded_modules
+from lightning_gradcomp.ddp.handle import GradCompHandle
 from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
-from lightning_gradcomp.exchange.handle import (
-    hold,
-    refuse_a_second_exchange,
-    refuse_parameters_replaced_by_sharding,
-    steps_the_model,
-)
+from lightning_gradcomp.exchange.options import ExchangeOptions
+from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.local.config import Fragments, LocalUpdates, OuterOptimizerFactory
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
-from lightning_gradcomp.local.handle import LocalUpdateHandle, replicated_local_updates
-from lightning_gradcomp.local.sharded import attach_fault_tolerant_sharded, attach_sharded
+from lightning_gradcomp.local.handle import check_optimizers, check_steps_the_model, LocalUpdateHandle
+from lightning_gradcomp.wiring.plan import attach_exchange, ExchangePlan
+
+
+def register(
+    ddp_model: DistributedDataParallel,
+    compressor: Union[Compressor, str] = "topk",
+    *,
+    error_feedback: Optional[bool] = None,
+    min_compress_numel: int = 1024,
+    seed: int = 0,
+    exchange_thread: Optional[bool] = None,
+    telemetry: bool = False,
+    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+) -> GradCompHandle:
+    """Install the compressed exchange on a ``DistributedDataParallel`` model (any backend, CPU or GPU).
+
+    Args:
+        ddp_model: the DDP-wrapped model; its process group is the exchange's.
+        compressor, error_feedback, min_compress_numel, seed, exchange_thread: as for
+            :class:`~lightning_gradcomp.GradCompStrategy`.
+        telemetry: also measure the compression error ``Σ‖p − C(p)‖²`` and the time spent compressing
+            (``step_stats.error_sq``, ``compress_s``...); off, the hook does no extra work.
+        timeout: how long :meth:`GradCompHandle.state_dict` (a collective) waits for the other ranks
+            before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
+            only fails with advice instead of hanging. A dead peer fails the exchange after the process
+            group's own timeout.
+
+    Returns:
+        a :class:`GradCompHandle` with ``bind(optimizer)``, ``step_stats``, ``totals``, ``summary()``,
+        ``state_dict()`` and ``load_state_dict()``.
+    """
+    plan = ExchangePlan(ExchangeOptions(compressor, error_feedback, min_compress_numel, seed),
+                        exchange_thread=exchange_thread, telemetry=telemetry, timeout=timeout, caller="register()")
+    handle = attach_exchange(None, plan, ddp=ddp_model)
+    assert isinstance(handle, GradCompHandle)
+    return handle
+
+
+def register_fsdp(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    compressor: Union[Compressor, str] = "topk",
+    *,
+    error_feedback: Optional[bool] = None,
+    min_compress_numel: int = 1024,
+    seed: int = 0,
+    telemetry: bool = False,
+    timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT,
+) -> FSDPHandle:
+    """Compress what the replicas of an FSDP2-sharded model exchange (HSDP).
+
+    Args:
+        model: the root module, with ``fully_shard(..., mesh=mesh["shard"])`` applied to it and its blocks
+            (a 1-D shard mesh: FSDP itself then all-reduces nothing between replicas).
+        mesh: the 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: the compressed exchange
+            runs over ``mesh["replicate"]``.
+        compressor, error_feedback, min_compress_numel, seed: as for :func:`~lightning_gradcomp.register`.
+        telemetry: also measure the compression error and time.
+        timeout: how long :meth:`FSDPHandle.state_dict` (a collective of every rank) waits for the others.
+
+    Every FSDP module is set to reduce-scatter unused parameters too (zero gradients), so that every
+    replica sends the same parameters every step. Gradient accumulation with
+    ``set_requires_gradient_sync(False)`` on the non-final micro-batches exchanges once per optimizer step.
+    As with :func:`~lightning_gradcomp.register`, the first optimizer that steps the model is checked
+    against the compressor and bound (or call ``handle.bind(optimizer)``), and an fp16 ``GradScaler`` with
+    error feedback is warned about.
+    """
+    plan = ExchangePlan(ExchangeOptions(compressor, error_feedback, min_compress_numel, seed), telemetry=telemetry,
+                        timeout=timeout, caller="register_fsdp()")
+    handle = attach_exchange(model, plan, mesh=mesh)
+    assert isinstance(handle, FSDPHandle)
+    return handle
 
 
 def local_updates(
@@ -98,60 +168,32 @@ def local_updates(
             shard with the same rank of the other groups over torchft's process group; ``group`` is for a whole
             model only, and the checkpoint entry of a sharded model holds every rank of the world.
     """
-    bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    bare = model.module if isinstance(model, DistributedDataParallel) else model
     optimizers = check_optimizers(optimizers)
     check_steps_the_model(optimizers[0], bare)
-    refuse_a_second_exchange(bare, "local_updates()")
-    config = LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap, window_seconds, weight_by)
-    exchange = {"error_feedback": error_feedback, "min_compress_numel": min_compress_numel, "seed": seed,
-                "telemetry": telemetry, "timeout": timeout, "global_device": global_device}
-    handle: LocalUpdateHandle
-    if mesh is None and not sharded_modules(model):
-        handle = replicated_local_updates(model, optimizers, config, compressor, group=group,
-                                          fault_tolerance=fault_tolerance, **exchange)
-    elif fault_tolerance is not None:
-        if mesh is not None or group is not None:
-            raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
-                             "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
-                             "and torchft joins the groups; allowed: mesh=None, group=None")
-        handle = attach_fault_tolerant_sharded(model, optimizers, config, compressor, fault_tolerance, **exchange)
-    elif mesh is None:
+    plan = ExchangePlan(ExchangeOptions(compressor, error_feedback, min_compress_numel, seed),
+                        LocalUpdates(sync_every, outer_optimizer, fragments, delay, alpha, overlap, window_seconds,
+                                     weight_by),
+                        fault_tolerance, global_device, telemetry=telemetry, timeout=timeout,
+                        caller="local_updates()" if fault_tolerance is None else "local_updates(fault_tolerance=...)")
+    sharded = mesh is not None or bool(sharded_modules(bare))
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradcomp.local_updates: torch.distributed is not initialised; call "
+                           "dist.init_process_group(...) first (or use SimulatedLocalUpdates on one device)")
+    if sharded and fault_tolerance is not None and (mesh is not None or group is not None):
+        raise ValueError("gradcomp.local_updates: with fault_tolerance a sharded model is one replica group sharded "
+                         "over this job's world (fully_shard(module, mesh=init_device_mesh(device, (world_size,)))), "
+                         "and torchft joins the groups; allowed: mesh=None, group=None")
+    if sharded and fault_tolerance is None and mesh is None:
         raise ValueError("gradcomp.local_updates: `model` is sharded with FSDP2 (fully_shard); pass the 2-D mesh its "
                          "replicas form, mesh=init_device_mesh(..., mesh_dim_names=('replicate', 'shard')), with "
                          "fully_shard(..., mesh=mesh['shard'])")
-    elif group is not None:
+    if sharded and group is not None:
         raise ValueError("gradcomp.local_updates: `group` is for a whole model; a sharded model's replicas exchange "
                          "over mesh['replicate'] (leave group=None)")
-    else:
-        handle = attach_sharded(model, mesh, config, compressor, **exchange)
-        handle.optimizers = optimizers
-        handle.count_optimizer_steps(optimizers[0])
-    hold(bare, handle, "local_updates()")
+    if fault_tolerance is not None and group is not None:
+        raise ValueError("gradcomp: fault_tolerance exchanges over torchft's group of the replica groups; allowed: "
+                         "group=None")
+    handle = attach_exchange(model, plan, mesh=mesh, group=group, optimizers=optimizers)
+    assert isinstance(handle, LocalUpdateHandle)
     return handle
-
-
-def check_steps_the_model(optimizer: Optimizer, model: torch.nn.Module) -> None:
-    """Refuse an inner optimizer (the first: its steps count the window) that steps none of ``model``'s
-    parameters: built before ``fully_shard`` replaced them, or for another model, nothing would train while
-    the windows are counted and synchronised."""
-    refuse_parameters_replaced_by_sharding(optimizer, model, "local_updates()")
-    if not steps_the_model(optimizer, model):
-        raise ValueError(
-            f"gradcomp.local_updates: the first optimizer ({type(optimizer).__name__}, whose steps count the window) "
-            "steps none of the model's parameters: nothing would train. Pass the optimizer built on this model's "
-            "parameters (after fully_shard or any wrapper that replaces them): `optimizer = "
-            "torch.optim.AdamW(model.parameters(), ...)`")
-
-
-def check_optimizers(optimizers: object) -> list[Optimizer]:
-    """``optimizers`` as a non-empty list of ``torch.optim.Optimizer``: the first one's steps count the window,
-    so with none no synchronisation would ever happen."""
-    if isinstance(optimizers, Optimizer):
-        return [optimizers]
-    listed = list(optimizers) if isinstance(optimizers, (list, tuple)) else None
-    if not listed or not all(isinstance(optimizer, Optimizer) for optimizer in listed):
-        raise ValueError(
-            "`optimizers` must be the inner torch.optim.Optimizer that steps the model, or a non-empty list of them "
-            f"(the first one's steps count the window: with none, no synchronisation would ever happen); got "
-            f"{optimizers!r:.80}")
-    return listed
