@@ -17,7 +17,8 @@ A failed exchange usually fails for every participant, and all roll back. A grou
 others committed is one step behind them in torchft's count, and heals from them (θ_global, the outer state)
 at the next quorum.
 
-A whole model on a group of several processes (DDP inside the group, which keeps its replicas equal): each
+A whole model on a group of several processes (DDP inside the group, which keeps its replicas equal; the
+loop's layout :class:`RowBlocksOfModel`): each
 rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
 the other groups, and the averages are broadcast inside the group, so the bytes between groups are one
 model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
@@ -58,9 +59,9 @@ import torch.distributed as dist
 
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver, world_collective_device
-from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync, WholeModel
+from lightning_gradcomp.local.outer import trainable_parameters
 from lightning_gradcomp.local.windows import group_figures, GroupFigures
 
 #: the command the refusal without torchft names
@@ -301,6 +302,42 @@ def row_blocks(shape: tuple[int, ...], ranks: int) -> list[RowBlock]:
     return blocks
 
 
+class RowBlocksOfModel(WholeModel):
+    """The layout of a whole model on each process of a replica group (kept equal by DistributedDataParallel
+    inside the group): the group's ranks split the exchange, each sending a row block of every parameter
+    (:func:`row_blocks`) to the same rank of the other groups, then broadcasting the averages of its blocks
+    inside the group, so that every rank steps θ_global alike; the group's buffers are its first rank's
+    before they are averaged between groups (DDP does not sync them in forward under local updates)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.blocks = [row_blocks(tuple(p.shape), dist.get_world_size()) for p in params]
+
+    def ranks_per_replica(self) -> int:
+        return dist.get_world_size()
+
+    def sum_within_replica(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def exchanged(self, index: int, tensor: torch.Tensor) -> Optional[tuple[slice, tuple[int, ...]]]:
+        block = self.blocks[index][dist.get_rank()]
+        return (slice(block.start, block.stop), block.shape) if block.stop > block.start else None
+
+    def share(self, indices: Sequence[int], averaged: Sequence[torch.Tensor]) -> None:
+        device = world_collective_device()
+        for rank in range(dist.get_world_size()):
+            parts = [flat[block.start:block.stop] for index, flat in zip(indices, averaged)
+                     for block in [self.blocks[index][rank]] if block.stop > block.start]
+            if not parts:
+                continue
+            joined = torch.cat(parts).to(device)
+            dist.broadcast(joined, rank)
+            torch._foreach_copy_(parts, [piece.to(parts[0].device) for piece in joined.split([p.numel() for p in parts])])
+
+    def equalise_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        for buffer in buffers:
+            dist.broadcast(buffer, 0)
+
+
 class FaultTolerantLoop(LocalUpdateLoop):
     """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` whose synchronisations go through a torchft
     quorum: the exchange runs over the quorum's process group (:class:`ReconfigurableDriver`), the average is
@@ -323,18 +360,18 @@ class FaultTolerantLoop(LocalUpdateLoop):
             group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
         fault_tolerance: the lighthouse and this group's name.
         global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
+        layout: how the group's processes hold the model: FSDP2 shards
+            (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`), or (``None``) whole, on one process
+            (:class:`~lightning_gradcomp.local.loop.WholeModel`) or on each of several
+            (:class:`RowBlocksOfModel`).
     """
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
                  fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None,
                  layout: Optional[WholeModel] = None) -> None:
+        if layout is None and dist.get_world_size() > 1:  # a whole model on each of the group's processes
+            layout = RowBlocksOfModel([p for _, p in trainable_parameters(module)])
         super().__init__(module, config, exchange, global_device=global_device, layout=layout)
-        #: with a whole model on several processes (kept equal inside the group by DistributedDataParallel):
-        #: each parameter's row blocks, one per rank of the group, which split the exchange between them (the
-        #: ranks of a sharded layout each exchange their shard)
-        self.blocks: Optional[list[list[RowBlock]]] = None
-        if not self.layout.shards and dist.get_world_size() > 1:
-            self.blocks = [row_blocks(tuple(p.shape), dist.get_world_size()) for p in self.params]
         self.driver = ReconfigurableDriver()
         exchange.use_driver(self.driver)
         self.membership = Membership(fault_tolerance, self._shared_state, self._receive_state)
@@ -361,7 +398,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
                     self.membership.report_error(error)
             self.membership.manager.should_commit()
             self._quorum_taken = False
-            if self.blocks is not None:
+            if isinstance(self.layout, RowBlocksOfModel):
                 self._equalise_group()
             return
         # a running job's synchronisation, the one the others are starting (received with the state): take
@@ -481,12 +518,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
         behind its outer gradient, its step time, its loop's length). Groups of different sizes, or a group
         joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo aborts the
         process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback."""
-        members = self.outer.members(fragment)
-        if self.blocks is not None:
-            rank = dist.get_rank()
-            elements = sum(self.blocks[i][rank].stop - self.blocks[i][rank].start for i in members)
-        else:
-            elements = sum(self.params[i].numel() for i in members)
+        elements = sum(self._exchanged_elements(i) for i in self.outer.members(fragment))
         window = self.outer.windows if self.outer.time_boxed else 0
         shared = [fragment, elements, dist.get_world_size(), window]
         mine = torch.tensor([*shared, *self._group_row(fragment, world_collective_device())], dtype=torch.int64)
@@ -507,55 +539,6 @@ class FaultTolerantLoop(LocalUpdateLoop):
         super()._take_weight(fragment, groups, me)
         if len({group.units for group in groups if group.units > 0}) <= 1:
             self.weight, self.weights_equal = 1.0, True
-
-    def _ranks_per_group(self) -> int:
-        return dist.get_world_size() if self.blocks is not None else super()._ranks_per_group()
-
-    def _sum_within_group(self, tensor: torch.Tensor) -> None:
-        if self.blocks is None:
-            super()._sum_within_group(tensor)
-            return
-        dist.all_reduce(tensor)
-
-    def _exchanged_elements(self, index: int) -> int:
-        if self.blocks is None:
-            return super()._exchanged_elements(index)
-        block = self.blocks[index][dist.get_rank()]
-        return block.stop - block.start
-
-    def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[torch.Tensor],
-                          outs: Sequence[torch.Tensor]) -> list[Entry]:
-        if self.blocks is None:
-            return super()._exchange_entries(indices, deltas, outs)
-        rank = dist.get_rank()  # this rank's rows of every parameter
-        return [Entry(self.names[i], block.shape, delta[block.start:block.stop], out[block.start:block.stop])
-                for i, delta, out in zip(indices, deltas, outs)
-                for block in [self.blocks[i][rank]] if block.stop > block.start]
-
-    def _share_within_group(self, pending: PendingSync) -> None:
-        """A whole model on several processes: each rank exchanged its row blocks of the outer gradients with
-        the same rank of the other groups; each broadcasts their averages inside the group, so that every rank
-        steps θ_global alike (DDP keeps the replicas equal, so the group's Δ is the same on each rank)."""
-        indices = self.outer.members(pending.fragment)
-        device = world_collective_device()
-        for rank in range(dist.get_world_size()):
-            parts = [averaged[block.start:block.stop] for index, averaged in zip(indices, pending.averaged)
-                     for block in [self.blocks[index][rank]] if block.stop > block.start]
-            if not parts:
-                continue
-            flat = torch.cat(parts).to(device)
-            dist.broadcast(flat, rank)
-            torch._foreach_copy_(parts, [piece.to(parts[0].device) for piece in flat.split([p.numel() for p in parts])])
-
-    def _average_buffers(self, fragment: int) -> None:
-        if self.blocks is not None:  # DDP does not sync buffers in forward under local updates: the group's
-            self._broadcast_buffers(fragment)  # first rank's, then averaged between the groups
-        super()._average_buffers(fragment)
-
-    def _broadcast_buffers(self, fragment: int) -> None:
-        for (_, buffer), owner in zip(self.buffers, self.buffer_fragment):
-            if owner == fragment:
-                dist.broadcast(buffer, 0)
 
     def _settle(self, pending: PendingSync) -> None:
         """Wait for an overlapped exchange (``delay > 0``); its failure is this group's vote (no), and what
@@ -593,8 +576,7 @@ class FaultTolerantLoop(LocalUpdateLoop):
     @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:
         self._settle(pending)
-        if self.blocks is not None:
-            self._share_within_group(pending)
+        self.layout.share(self.outer.members(pending.fragment), pending.averaged)
         committed = self.membership.should_commit()  # every rank of this group votes, a failed one says no
         if committed and self._failed is None:
             # the engine averaged over the quorum's size; a group that healed into this synchronisation sent a

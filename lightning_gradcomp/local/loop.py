@@ -111,12 +111,29 @@ class WholeModel:
     #: (:meth:`~lightning_gradcomp.local.outer.OuterModel.apply`); ``None``: the rank holds the whole model
     sum_over_shards: Optional[Callable[[Tensor], None]] = None
 
+    def exchanged(self, index: int, tensor: Tensor) -> Optional[tuple[slice, tuple[int, ...]]]:
+        """The part of parameter ``index`` (the loop's tensor ``tensor``) this rank exchanges, as (flat
+        elements, shape), ``None`` for none: all of it here (an empty shard sends nothing)."""
+        return (slice(0, tensor.numel()), tuple(tensor.shape)) if tensor.numel() else None
+
+    def share(self, indices: Sequence[int], averaged: Sequence[Tensor]) -> None:
+        """After the exchange: make every rank of the replica hold the whole average (nothing to do where
+        each rank exchanged all it holds)."""
+
+    def equalise_buffers(self, buffers: Sequence[Tensor]) -> None:
+        """Before the buffers are averaged between replicas: make the replica's ranks agree on them."""
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """An inner optimizer's state for this rank's checkpoint part (CPU copies)."""
         return cpu_copy(optimizer.state_dict())
 
     def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+
+def _part(flat: Tensor, elements: slice) -> Tensor:
+    """``flat[elements]``, or ``flat`` itself where that is all of it."""
+    return flat if elements.start == 0 and elements.stop == flat.numel() else flat[elements]
 
 
 def show_in(tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
@@ -435,6 +452,10 @@ class LocalUpdateLoop(ScheduledSyncs):
     def _ranks_per_group(self) -> int:
         return self.layout.ranks_per_replica()
 
+    def _exchanged_elements(self, index: int) -> int:
+        part = self.layout.exchanged(index, self.params[index])
+        return 0 if part is None else part[0].stop - part[0].start
+
     @property
     def sync_every(self) -> int:
         return self.outer.sync_every
@@ -543,11 +564,12 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.layout.sum_within_replica(tensor)
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
-        """What this rank hands the engine: each parameter's flat outer gradient and where its average goes
-        (a replica group of several processes under fault tolerance exchanges a row block of each)."""
+        """What this rank hands the engine: each parameter's flat outer gradient (the layout's part of it) and
+        where its average goes."""
         params = self.params
-        return [Entry(self.names[i], tuple(params[i].shape), delta, out)  # an empty shard sends nothing
-                for i, delta, out in zip(indices, deltas, outs) if delta.numel()]
+        parts = [(i, delta, out, self.layout.exchanged(i, params[i])) for i, delta, out in zip(indices, deltas, outs)]
+        return [Entry(self.names[i], shape, _part(delta, elements), _part(out, elements))
+                for i, delta, out, part in parts if part is not None for elements, shape in [part]]
 
     @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:
@@ -562,6 +584,8 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.synced = True
 
     def _average_buffers(self, fragment: int) -> None:
+        self.layout.equalise_buffers([buffer for (_, buffer), owner in zip(self.buffers, self.buffer_fragment)
+                                      if owner == fragment])
         tensors = averaged([buffer for (_, buffer), owner in zip(self.buffers, self.buffer_fragment)
                             if owner == fragment])
         if not tensors:
