@@ -16,6 +16,7 @@ import lightning_gradcomp
 from lightning_gradcomp import GradCompHookState, GradCompSimStrategy, GradCompStrategy, LocalUpdates
 from lightning_gradcomp.callbacks import AdaptiveCompression, DGCWarmup, GradientNormTrigger
 from lightning_gradcomp.compressors import DGC, QSGD, HardThreshold, PowerSGD, RandomK, TopK, get_compressor
+from lightning_gradcomp.wiring import ExchangePlan
 
 NAN = float("nan")
 
@@ -50,6 +51,21 @@ CONSTRUCTION = [
     ("hook seed", lambda: GradCompHookState("topk", {}, seed="1"), "`seed` must be an integer >= 0"),
     ("hook error_feedback", lambda: GradCompHookState("topk", {}, error_feedback="yes"),
      "`error_feedback` must be None, True or False"),
+    ("options compressor name", lambda: lightning_gradcomp.ExchangeOptions("topkk"), "`compressor`: unknown name 'topkk'"),
+    ("options min_compress_numel", lambda: lightning_gradcomp.ExchangeOptions(min_compress_numel=-1),
+     "`min_compress_numel` must be an integer >= 0"),
+    ("options seed", lambda: lightning_gradcomp.ExchangeOptions(seed=1.5), "`seed` must be an integer >= 0"),
+    ("options error_feedback with DGC", lambda: lightning_gradcomp.ExchangeOptions("dgc", error_feedback=True),
+     "`error_feedback` must be None or False with DGC"),
+    ("plan options type", lambda: ExchangePlan("topk"), "`options` must be a lightning_gradcomp.ExchangeOptions"),
+    ("plan local_updates type", lambda: ExchangePlan(local_updates=10), "`local_updates` must be None or a LocalUpdates"),
+    ("plan fault_tolerance without local updates",
+     lambda: ExchangePlan(fault_tolerance=lightning_gradcomp.FaultTolerance("http://127.0.0.1:1")),
+     "`fault_tolerance` runs the synchronisations of local updates through torchft"),
+    ("plan global_device without local updates", lambda: ExchangePlan(global_device="cpu"),
+     "`global_device` places θ_global under local updates"),
+    ("plan telemetry str", lambda: ExchangePlan(telemetry="yes"), "`telemetry` must be True or False"),
+    ("plan timeout negative", lambda: ExchangePlan(timeout=-1), "`timeout` must be a positive timedelta or number of seconds"),
     ("DGC nesterov str", lambda: DGC(nesterov="no"), "`nesterov` must be True or False"),
     ("DGC scale_clip_by_workers str", lambda: DGC(scale_clip_by_workers="false"),
      "`scale_clip_by_workers` must be True or False"),

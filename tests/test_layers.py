@@ -81,6 +81,28 @@ def test_nothing_below_the_lightning_layer_imports_lightning() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+#: the builders of the six rows of the wiring (lightning_gradcomp/wiring/plan.py), one per adapter and mode
+ROW_BUILDERS = {"attach_ddp", "attach_fsdp", "attach", "attach_fault_tolerant", "attach_sharded",
+                "attach_fault_tolerant_sharded"}
+
+
+def test_one_wiring_builds_every_exchange() -> None:
+    """Every entry point (the strategies, register, register_fsdp, local_updates) builds its exchange through
+    ``wiring.attach_exchange``: no module above the adapters calls a row's builder itself, and no module
+    builds an exchange session outside the adapters and the exchange layer."""
+    wrong = []
+    for name, path in sorted(_modules().items()):
+        if LAYERS[_place(name)] < LAYERS["wiring"] or name == "lightning_gradcomp.wiring.plan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                if called in ROW_BUILDERS | {"ExchangeSession", "GradCompHookState", "HierarchicalHookState",
+                                             "LocalUpdateLoop", "FaultTolerantLoop", "ShardedLocalUpdateLoop"}:
+                    wrong.append(f"{name}:{node.lineno} calls {called}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_adapters_stand_side_by_side_over_the_exchange_session() -> None:
     """The sibling rule by name, so that a change of the layer numbers cannot drop it."""
     assert LAYERS["ddp"] == LAYERS["fsdp"] == LAYERS["local"] == LAYERS["exchange"] + 1
