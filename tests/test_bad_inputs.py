@@ -293,3 +293,16 @@ def test_registered_names_build_the_strategy() -> None:
     assert isinstance(trainer.strategy, GradCompStrategy)
     assert trainer.strategy._start_method == "spawn"
     assert isinstance(trainer.strategy.compressor, TopK)
+
+
+def test_one_options_object_configures_every_strategy() -> None:
+    """``ExchangeOptions`` is the keyword list of every entry point (README, "Strategy options"): its
+    ``keywords()`` configure each strategy alike, and each keeps the same validated options."""
+    options = lightning_gradcomp.ExchangeOptions("int8", min_compress_numel=4096, seed=3)
+    strategies = [GradCompStrategy(**options.keywords()), GradCompSimStrategy(**options.keywords()),
+                  lightning_gradcomp.GradCompFabricStrategy(**options.keywords()),
+                  lightning_gradcomp.GradCompFSDPStrategy(**options.keywords()),
+                  lightning_gradcomp.GradCompFabricFSDPStrategy(**options.keywords())]
+    for strategy in strategies:
+        assert strategy.options == options, type(strategy).__name__
+    assert options.keywords() == lightning_gradcomp.ExchangeOptions(**options.keywords()).keywords()
