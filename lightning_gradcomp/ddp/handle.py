@@ -31,7 +31,6 @@ on the host, outside the exchange's work):
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -41,7 +40,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.ddp.hierarchy import HierarchicalHookState
 from lightning_gradcomp.ddp.hook import GradCompHookState, gradcomp_hook
-from lightning_gradcomp.exchange.checkpoint import checkpoint_group, DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
 from lightning_gradcomp.exchange.options import ExchangeOptions
 
@@ -66,7 +64,7 @@ class GradCompHandle(GradientHandle):
 
 def attach_ddp(ddp_model: DistributedDataParallel, model: nn.Module, options: ExchangeOptions, *,
                exchange_thread: Optional[bool] = None, node_groups: Optional[tuple[Any, Any]] = None,
-               timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT, caller: str = "register()") -> GradCompHandle:
+               caller: str = "register()") -> GradCompHandle:
     """The compressed exchange of every step on a ``DistributedDataParallel`` model (the row of
     :func:`~lightning_gradcomp.wiring.attach_exchange` that :func:`~lightning_gradcomp.register` and the DDP
     strategies take): its communication hook is the returned handle.
@@ -86,8 +84,6 @@ def attach_ddp(ddp_model: DistributedDataParallel, model: nn.Module, options: Ex
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
     handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
     handle._watch = OptimizerWatch(handle, model)
-    # the hierarchical hook's state is spread over the world (each rank owns some parameters' memory)
-    handle.checkpoint_group = checkpoint_group(None if node_groups is not None else ddp_model.process_group, timeout)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     return handle
 

@@ -24,7 +24,6 @@ parameter name; the checkpoint entry carries every rank's.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,11 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, shard_layout
-from lightning_gradcomp.exchange.checkpoint import (
-    checkpoint_group,
-    DEFAULT_CHECKPOINT_TIMEOUT,
-    restore_entry,
-)
+from lightning_gradcomp.exchange.checkpoint import restore_entry
 from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
@@ -115,8 +110,7 @@ class FSDPHandle(GradientHandle):
         return world_collective_device()
 
 
-def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptions, *,
-                timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT) -> FSDPHandle:
+def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptions) -> FSDPHandle:
     """The compressed exchange of every step between the replicas of an FSDP2-sharded ``model`` (the row of
     :func:`~lightning_gradcomp.wiring.attach_exchange` that :func:`~lightning_gradcomp.register_fsdp` and the
     sharded strategies take): each FSDP module's all-reduce hook exchanges its replica shard."""
@@ -137,7 +131,6 @@ def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptio
     hook_state.layout = f"hsdp:replicate={mesh['replicate'].size()},shard={mesh['shard'].size()}"
     handle = FSDPHandle(hook_state, hook_state.compressor, device, layouts)
     handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
-    handle.checkpoint_group = checkpoint_group(None, timeout)  # every rank's shard state, on rank 0
     handle._watch = OptimizerWatch(handle, model, sharded=True)  # binds the optimizer at its first step
     for (_, module, param_group), layout in zip(modules, layouts):
         module.set_reduce_scatter_unused_params(True, recurse=False)

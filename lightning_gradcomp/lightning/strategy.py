@@ -183,6 +183,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             start_method=start_method,
             **kwargs,
         )
+        #: this fit's exchange (built in ``_register_ddp_hooks`` by :func:`~lightning_gradcomp.wiring.attach_exchange`,
+        #: closed at teardown); ``hook_state`` is its session and ``local_loop`` its outer loop under local updates
         self.gradcomp: Optional[ExchangeHandle] = None
         self.hook_state: Optional[ExchangeSession] = None
         self.local_loop: Optional[LocalUpdateLoop] = None

@@ -132,50 +132,52 @@ def attach_exchange(model: Optional[torch.nn.Module], plan: ExchangePlan, *,
     # a fault-tolerant group of several processes may pass its own DDP wrapper of the model
     bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     refuse_a_second_exchange(bare, plan.caller)
-    sharded = mesh is not None or bool(sharded_modules(bare))
-    checkpoint_ranks = None  # every rank of the world (the sharded rows, fault tolerance)
-    handle: ExchangeHandle
-    config = plan.local_updates
-    if config is None:
-        if sharded:
-            handle = attach_fsdp(model, mesh, plan.options, timeout=plan.timeout)
-        else:
-            assert ddp is not None, "the exchange of every step of a replicated model rides on its DDP wrapper"
-            handle = attach_ddp(ddp, model, plan.options, exchange_thread=plan.exchange_thread, node_groups=node_groups,
-                                timeout=plan.timeout, caller=plan.caller)
-        handle.hook_state.telemetry = plan.telemetry
-        hold(bare, handle, plan.caller)
-        return handle
-    if plan.fault_tolerance is not None:
-        if sharded:
-            handle = attach_fault_tolerant_sharded(model, config, plan.options, plan.fault_tolerance,
-                                                   global_device=plan.global_device)
-        else:
-            several = dist.get_world_size() > 1  # a replica group of several processes: DDP inside the group
-            if ddp is None and not several:
-                refuse_driving_by_ddp(model)
-            handle = attach_fault_tolerant(model, config, plan.options, plan.fault_tolerance,
-                                           global_device=plan.global_device, ddp_inside=ddp is None and several,
-                                           caller=plan.caller)
-            if ddp is not None and not several:
-                ddp.register_comm_hook(None, no_communication_hook)
-    elif sharded:
-        handle = attach_sharded(model, mesh, config, plan.options, global_device=plan.global_device)
-    else:
-        if ddp is None:
-            start_replicas_equal(model, group, plan.caller)
-        else:
-            group = ddp.process_group
-        handle = attach(model, config, plan.options, group=group, global_device=plan.global_device,
-                        refuse_ddp=ddp is None, caller=plan.caller)
-        if ddp is not None:
-            ddp.register_comm_hook(None, no_communication_hook)
-        checkpoint_ranks = group
-    assert isinstance(handle, LocalUpdateHandle)
+    handle, checkpoint_ranks = _row(model, plan, ddp, mesh, group, node_groups,
+                                    sharded=mesh is not None or bool(sharded_modules(bare)))
     handle.hook_state.telemetry = plan.telemetry
     handle.checkpoint_group = checkpoint_group(checkpoint_ranks, plan.timeout)
     if optimizers:
+        assert isinstance(handle, LocalUpdateHandle)
         handle.optimizers = list(optimizers)
         handle.count_optimizer_steps(optimizers[0])
     hold(bare, handle, plan.caller)
     return handle
+
+
+def _row(model: torch.nn.Module, plan: ExchangePlan, ddp: Optional[torch.nn.parallel.DistributedDataParallel],
+         mesh: Optional[Any], group: Optional[dist.ProcessGroup], node_groups: Optional[tuple[Any, Any]],
+         sharded: bool) -> tuple[ExchangeHandle, Optional[dist.ProcessGroup]]:
+    """The row's handle, built by its adapter, and the ranks of its checkpoint gather (``None``: the world:
+    sharded rows, the hierarchical hook and fault tolerance, where every rank holds a different part)."""
+    config = plan.local_updates
+    if config is None and sharded:
+        return attach_fsdp(model, mesh, plan.options), None
+    if config is None:
+        assert ddp is not None, "the exchange of every step of a replicated model rides on its DDP wrapper"
+        handle = attach_ddp(ddp, model, plan.options, exchange_thread=plan.exchange_thread, node_groups=node_groups,
+                            caller=plan.caller)
+        return handle, None if node_groups is not None else ddp.process_group
+    if plan.fault_tolerance is not None and sharded:
+        return attach_fault_tolerant_sharded(model, config, plan.options, plan.fault_tolerance,
+                                             global_device=plan.global_device), None
+    if plan.fault_tolerance is not None:
+        several = dist.get_world_size() > 1  # a replica group of several processes: DDP inside the group
+        if ddp is None and not several:
+            refuse_driving_by_ddp(model)
+        handle = attach_fault_tolerant(model, config, plan.options, plan.fault_tolerance,
+                                       global_device=plan.global_device, ddp_inside=ddp is None and several,
+                                       caller=plan.caller)
+        if ddp is not None and not several:
+            ddp.register_comm_hook(None, no_communication_hook)
+        return handle, None
+    if sharded:
+        return attach_sharded(model, mesh, config, plan.options, global_device=plan.global_device), None
+    if ddp is None:
+        start_replicas_equal(model, group, plan.caller)
+    else:
+        group = ddp.process_group
+    handle = attach(model, config, plan.options, group=group, global_device=plan.global_device,
+                    refuse_ddp=ddp is None, caller=plan.caller)
+    if ddp is not None:
+        ddp.register_comm_hook(None, no_communication_hook)
+    return handle, group
