@@ -584,10 +584,9 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.synced = True
 
     def _average_buffers(self, fragment: int) -> None:
-        self.layout.equalise_buffers([buffer for (_, buffer), owner in zip(self.buffers, self.buffer_fragment)
-                                      if owner == fragment])
-        tensors = averaged([buffer for (_, buffer), owner in zip(self.buffers, self.buffer_fragment)
-                            if owner == fragment])
+        owned = [buffer for (_, buffer), owner in zip(self.buffers, self.buffer_fragment) if owner == fragment]
+        self.layout.equalise_buffers(owned)
+        tensors = averaged(owned)
         if not tensors:
             return
         flat = torch.cat([buffer.reshape(-1).to(buffer_dtype(tensors)) for buffer in tensors])
