@@ -5,6 +5,7 @@ gets a row here."""
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 
 import lightning as L
@@ -51,6 +52,10 @@ CONSTRUCTION = [
     ("hook seed", lambda: GradCompHookState("topk", {}, seed="1"), "`seed` must be an integer >= 0"),
     ("hook error_feedback", lambda: GradCompHookState("topk", {}, error_feedback="yes"),
      "`error_feedback` must be None, True or False"),
+    ("register without a DDP wrapper", lambda: lightning_gradcomp.register(None),
+     "`ddp_model` must be a torch.nn.parallel.DistributedDataParallel"),
+    ("register_fsdp without a mesh", lambda: lightning_gradcomp.register_fsdp(torch.nn.Linear(2, 2), None),
+     "`mesh` must be a torch.distributed.device_mesh.DeviceMesh"),
     ("options compressor name", lambda: lightning_gradcomp.ExchangeOptions("topkk"), "`compressor`: unknown name 'topkk'"),
     ("options min_compress_numel", lambda: lightning_gradcomp.ExchangeOptions(min_compress_numel=-1),
      "`min_compress_numel` must be an integer >= 0"),
@@ -306,3 +311,34 @@ def test_one_options_object_configures_every_strategy() -> None:
     for strategy in strategies:
         assert strategy.options == options, type(strategy).__name__
     assert options.keywords() == lightning_gradcomp.ExchangeOptions(**options.keywords()).keywords()
+
+
+def test_the_trainer_leaves_the_replica_in_the_model_during_a_training_batch() -> None:
+    """Under local updates the Trainer shows θ_global to validation itself; a forward pass in eval mode without
+    gradients inside a training batch (a callback's sample, a per-batch metric) sees this rank's replica, as
+    ``lightning/local_updates_fit.py`` says: no evaluation hook swaps θ_global in (the plain loops' rule)."""
+    from lightning_gradcomp import GradCompStrategy
+
+    class Peeks(L.Callback):
+        changed: list[bool] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            before = pl_module.net.weight.detach().clone()
+            pl_module.eval()
+            with torch.no_grad():
+                pl_module(batch[0])
+            pl_module.train()
+            self.changed.append(not torch.equal(before, pl_module.net.weight.detach()))
+
+    _Tiny.forward = lambda self, x: self.net(x)  # type: ignore[method-assign]
+    environment = dict(os.environ)  # the strategy sets MASTER_PORT, LOCAL_RANK...: later tests' processes must not see them
+    try:
+        _fit(GradCompStrategy(compressor="none", local_updates=LocalUpdates(4), print_summary=False), [Peeks()],
+             validate=False)
+    finally:
+        del _Tiny.forward
+        os.environ.clear()
+        os.environ.update(environment)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert Peeks.changed and not any(Peeks.changed), Peeks.changed

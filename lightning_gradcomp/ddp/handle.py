@@ -64,14 +64,16 @@ class GradCompHandle(GradientHandle):
 
 def attach_ddp(ddp_model: DistributedDataParallel, model: nn.Module, options: ExchangeOptions, *,
                exchange_thread: Optional[bool] = None, node_groups: Optional[tuple[Any, Any]] = None,
-               caller: str = "register()") -> GradCompHandle:
+               watch_optimizers: bool = True, caller: str = "register()") -> GradCompHandle:
     """The compressed exchange of every step on a ``DistributedDataParallel`` model (the row of
     :func:`~lightning_gradcomp.wiring.attach_exchange` that :func:`~lightning_gradcomp.register` and the DDP
     strategies take): its communication hook is the returned handle.
 
     ``model``: the module whose parameter names key the exchange (``ddp_model.module``, or the Trainer's
     LightningModule, which Lightning wraps once more); ``node_groups``: the (intra-node, cross-node) groups of
-    the hierarchical hook (:mod:`~lightning_gradcomp.ddp.hierarchy`), ``None`` for the flat one."""
+    the hierarchical hook (:mod:`~lightning_gradcomp.ddp.hierarchy`), ``None`` for the flat one;
+    ``watch_optimizers``: check and bind the optimizer that first steps the model
+    (:class:`~lightning_gradcomp.exchange.handle.OptimizerWatch`; not where the caller checks them itself)."""
     names = {id(p): name for name, p in model.named_parameters()}
     device = next(model.parameters()).device
     hook_state: GradCompHookState
@@ -83,7 +85,8 @@ def attach_ddp(ddp_model: DistributedDataParallel, model: nn.Module, options: Ex
                                        device=device, caller=caller, **options.keywords())
     handle = GradCompHandle(hook_state, hook_state.compressor, device)
     handle.param_names = names  # the exchange's names: bind() finds each parameter's group by them
-    handle._watch = OptimizerWatch(handle, model)
+    if watch_optimizers:
+        handle._watch = OptimizerWatch(handle, model)
     ddp_model.register_comm_hook(handle, gradcomp_hook)
     return handle
 

@@ -12,7 +12,7 @@
 
 Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subclass wraps the model in
 ``DistributedDataParallel`` as Fabric does and registers the exchange through
-:func:`~lightning_gradcomp.ddp.handle.register`, on CPU (gloo) and GPU (nccl) alike.
+:func:`~lightning_gradcomp.register`, on CPU (gloo) and GPU (nccl) alike.
 """
 
 from __future__ import annotations

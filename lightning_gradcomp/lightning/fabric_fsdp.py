@@ -15,7 +15,7 @@ Built on Fabric's FSDP2 support (:class:`lightning.fabric.strategies.ModelParall
 ``("replicate", "shard")`` with ``shard_size`` processes per replica (default: the processes per node, one
 replica per node); the model is sharded over ``mesh["shard"]`` by ``auto_wrap_policy`` (every instance of
 the classes, then the model: what Lightning's ``FSDPStrategy(auto_wrap_policy=...)`` does) or by the
-``parallelize_fn(model, mesh)`` given; then :func:`~lightning_gradcomp.fsdp.register_fsdp` compresses what
+``parallelize_fn(model, mesh)`` given; then :func:`~lightning_gradcomp.register_fsdp` compresses what
 crosses between the replicas, or, with ``local_updates``, DiLoCo-style local updates run on the shards
 (with ``fault_tolerance``, this Fabric is one replica group sharded over its processes, joined to the
 others by torchft). ``fabric.save``/``fabric.load`` carry the exchange state with the model and optimizer

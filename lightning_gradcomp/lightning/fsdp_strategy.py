@@ -14,7 +14,7 @@
 
 Built on Lightning's FSDP2 support (:class:`lightning.pytorch.strategies.ModelParallelStrategy`): FSDP2
 shards the model inside each replica (reduce-scatter and all-gather over the mesh's ``"shard"`` dimension),
-and :func:`~lightning_gradcomp.fsdp.register_fsdp` exchanges each rank's gradient shard with the same
+and :func:`~lightning_gradcomp.register_fsdp` exchanges each rank's gradient shard with the same
 shard of the other replicas, compressed (the ``"replicate"`` dimension), where native HSDP all-reduces it
 dense. Checkpoints are Lightning's sharded (distributed) checkpoints of the model and optimizer, plus each
 rank's part of the exchange state, written by that rank in the checkpoint's ``gradcomp/`` folder.
@@ -73,6 +73,7 @@ from lightning_gradcomp.lightning.options import (
     check_process_group_backend,
     check_timeout,
     configure_strategy,
+    current_options,
 )
 from lightning_gradcomp.lightning.step_figures import (
     KeepsBatchFigures,
@@ -97,7 +98,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     processes per replica (default: the devices per node, so the replicas are the nodes). The model is
     sharded over ``mesh["shard"]``, by the LightningModule's own ``configure_model`` (which reads the mesh
     as ``self.device_mesh["shard"]``) or by ``auto_wrap_policy``; then
-    :func:`~lightning_gradcomp.fsdp.register_fsdp` attaches the compressed exchange over
+    :func:`~lightning_gradcomp.register_fsdp` attaches the compressed exchange over
     ``mesh["replicate"]`` to every FSDP module. Every process sees its own share of the data.
 
     Args:
@@ -283,7 +284,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         :func:`~lightning_gradcomp.wiring.attach_exchange`)."""
         if self.gradcomp is not None:
             self.gradcomp.close()
-        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+        plan = ExchangePlan(current_options(self), self.local_updates, self.fault_tolerance, self.global_device,
                             timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT, caller="GradCompFSDPStrategy")
         self.gradcomp = attach_exchange(self.lightning_module, plan, mesh=self.device_mesh)
 

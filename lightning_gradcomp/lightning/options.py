@@ -37,6 +37,12 @@ def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_
     strategy.print_summary = check_bool(print_summary, "print_summary")
 
 
+def current_options(strategy: Any) -> ExchangeOptions:
+    """A Trainer strategy's options as its attributes hold them when ``fit`` starts (a ``compressor`` or
+    ``seed`` set after construction is the one used, as the callbacks and the checks see it)."""
+    return ExchangeOptions(strategy.compressor, strategy.error_feedback, strategy.min_compress_numel, strategy.seed)
+
+
 def check_log_stats(log_stats: bool) -> bool:
     """``log_stats`` must be a boolean."""
     return check_bool(log_stats, "log_stats")

@@ -30,7 +30,7 @@ from lightning_gradcomp.exchange.checkpoint import (
     saved_states,
 )
 from lightning_gradcomp.ddp.hierarchy import check_hierarchy, node_groups
-from lightning_gradcomp.exchange.handle import ExchangeHandle, GradientHandle
+from lightning_gradcomp.exchange.handle import ExchangeHandle
 from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
@@ -51,6 +51,7 @@ from lightning_gradcomp.lightning.options import (
     check_start_method,
     check_timeout,
     configure_strategy,
+    current_options,
     FIND_UNUSED_VARIANT,
     local_update_ddp_kwargs,
     REGISTERED_VARIANTS,
@@ -247,12 +248,10 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and isinstance(self.gradcomp, GradientHandle):
+        if trainer.state.fn == TrainerFn.FITTING and self.local_loop is None:
             check_fit_setup(self.compressor, self.hook_state.error_feedback, self.optimizers, self.precision_plugin,
-                            names=self.gradcomp.param_names)
+                            names={id(p): name for name, p in self.lightning_module.named_parameters()})
             check_gradient_clipping(self.compressor, trainer)
-            for optimizer in self.optimizers:
-                self.gradcomp.bind(optimizer)
         self._start_showing_global_model(trainer)
 
     @override
@@ -269,8 +268,8 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
                                "bytes; use hierarchy='none' on one node")
             groups = node_groups(self.num_nodes, self.num_processes)
         # under fault tolerance this Trainer is one replica group; the quorum is taken now
-        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
-                            exchange_thread=self.exchange_thread, caller="GradCompStrategy")
+        plan = ExchangePlan(current_options(self), self.local_updates, self.fault_tolerance, self.global_device,
+                            exchange_thread=self.exchange_thread, caller="GradCompStrategy", checked_by_caller=True)
         self.gradcomp = attach_exchange(self.lightning_module, plan, ddp=self.model, node_groups=groups)
         self.hook_state = self.gradcomp.hook_state
         self.local_loop = self.gradcomp.loop if isinstance(self.gradcomp, LocalUpdateHandle) else None

@@ -69,7 +69,7 @@ class LocalUpdateHandle(ExchangeHandle):
     """
 
     def __init__(self, loop: LocalUpdateLoop, optimizers: Sequence[Optimizer], device: torch.device,
-                 refuse_ddp: bool = False) -> None:
+                 refuse_ddp: bool = False, follow_evaluation: bool = True) -> None:
         super().__init__(loop.exchange, loop.exchange.compressor, device)
         self.loop = loop
         self.optimizers = list(optimizers)
@@ -84,8 +84,10 @@ class LocalUpdateHandle(ExchangeHandle):
         self.counted_by_strategy: Optional[str] = None
         self._strategy_counting = False
         #: evaluation sees θ_global: before each forward pass of the model, :meth:`LocalUpdateLoop.follow_forward`
-        # (prepended: before FSDP2's own pre-hook gathers the root's parameters)
-        self._evaluation_hook = loop.module.register_forward_pre_hook(self._before_forward, prepend=True)
+        # (prepended: before FSDP2's own pre-hook gathers the root's parameters); not where the caller shows
+        # θ_global to evaluation itself (the Trainer's DDP strategy)
+        self._evaluation_hook = (loop.module.register_forward_pre_hook(self._before_forward, prepend=True)
+                                 if follow_evaluation else None)
 
     @torch.compiler.disable
     def _before_forward(self, module: torch.nn.Module, _args: Any) -> None:
@@ -210,7 +212,8 @@ class LocalUpdateHandle(ExchangeHandle):
         """Stop counting the optimizer's steps and stop the exchange thread, if one runs."""
         self._stop_counting_optimizer_steps()
         self.loop.forget_first_use()
-        self._evaluation_hook.remove()
+        if self._evaluation_hook is not None:
+            self._evaluation_hook.remove()
         self.loop._leave_evaluation()
         super().close()
 
@@ -304,7 +307,8 @@ class FaultTolerantHandle(LocalUpdateHandle):
 
 def attach(module: torch.nn.Module, config: LocalUpdates, options: ExchangeOptions, *,
            group: Optional[dist.ProcessGroup] = None, global_device: Optional[torch.device] = None,
-           refuse_ddp: bool = False, caller: str = "local_updates()") -> LocalUpdateHandle:
+           refuse_ddp: bool = False, follow_evaluation: bool = True, caller: str = "local_updates()"
+           ) -> LocalUpdateHandle:
     """The outer loop of a whole ``module`` on this rank of ``group``, whose ranks hold the same values now
     (``refuse_ddp``: a ``DistributedDataParallel`` wrapper of ``module`` made later is refused at the first
     step, see :func:`refuse_gradient_all_reduce`). The overlapped exchanges (``delay > 0``) run on the
@@ -313,20 +317,20 @@ def attach(module: torch.nn.Module, config: LocalUpdates, options: ExchangeOptio
     session = ExchangeSession(**options.keywords(), group=group, exchange_thread=config.delay > 0, device=device,
                               settings=config.settings(), caller=caller)
     loop = LocalUpdateLoop(module, config, session, global_device=global_device)
-    return LocalUpdateHandle(loop, [], device, refuse_ddp)
+    return LocalUpdateHandle(loop, [], device, refuse_ddp, follow_evaluation)
 
 
 def attach_fault_tolerant(model: torch.nn.Module, config: LocalUpdates, options: ExchangeOptions,
                           fault_tolerance: FaultTolerance, *, global_device: Optional[torch.device] = None,
                           model_layout: Optional[WholeModel] = None, checkpoint_layout: Optional[str] = None,
-                          ddp_inside: bool = False, caller: str = "local_updates(fault_tolerance=...)"
-                          ) -> FaultTolerantHandle:
+                          ddp_inside: bool = False, follow_evaluation: bool = True,
+                          caller: str = "local_updates(fault_tolerance=...)") -> FaultTolerantHandle:
     """The outer loop of one replica group under torchft (see :mod:`~lightning_gradcomp.local.fault_tolerance`);
     the quorum is taken now. ``model_layout``: how each rank holds the model (an FSDP2 model's shards:
     :class:`~lightning_gradcomp.local.sharded.ShardsOfModel`; default whole); ``checkpoint_layout``: the
     exchange layout its checkpoints record; ``ddp_inside``: the group's processes keep ``model`` equal with a
     ``DistributedDataParallel`` wrapper of their own making (``model`` may be the wrapper): they start equal
-    now, and the wrapper is checked at the first step."""
+    now, and the wrapper is checked at the first step; ``follow_evaluation``: see :class:`LocalUpdateHandle`."""
     torchft_module()
     fault_tolerance = fault_tolerance.for_group()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -340,7 +344,7 @@ def attach_fault_tolerant(model: torch.nn.Module, config: LocalUpdates, options:
     if checkpoint_layout is not None:
         session.layout = checkpoint_layout
     loop = FaultTolerantLoop(model, config, session, fault_tolerance, global_device=global_device, layout=model_layout)
-    handle = FaultTolerantHandle(loop, [], device)
+    handle = FaultTolerantHandle(loop, [], device, follow_evaluation=follow_evaluation)
     if ddp_inside:
         handle.wrapper_check = require_gradient_all_reduce
     return handle

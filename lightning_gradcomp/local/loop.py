@@ -666,15 +666,16 @@ def load_local_state(state: dict[str, Any], names: Sequence[str], params: Sequen
     missing = sorted(set(names) - set(saved))
     if missing:
         raise ValueError(f"gradcomp: the checkpoint's local-update state lacks parameters {missing}")
+    saved_optimizers = state.get("optimizers", [])
+    if len(saved_optimizers) != len(optimizers):  # refused before anything is overwritten
+        raise ValueError(f"gradcomp: the checkpoint holds {len(saved_optimizers)} inner optimizer states, the run "
+                         f"has {len(optimizers)} optimizers")
     for name, p in zip(names, params):
         p.copy_(saved[name])
     for name, buffer in buffers:
         if name in state["buffers"]:
             buffer.copy_(state["buffers"][name])
-    if len(state["optimizers"]) != len(optimizers):
-        raise ValueError(f"gradcomp: the checkpoint holds {len(state['optimizers'])} inner optimizer states, the run "
-                         f"has {len(optimizers)} optimizers")
-    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+    for optimizer, optimizer_state in zip(optimizers, saved_optimizers):
         load_optimizer_state(optimizer, optimizer_state)
     if outer is not None and state.get("outer") is not None:
         outer.load_state_dict(state["outer"])

@@ -1,7 +1,7 @@
 """The end-of-training summary: what compression did over a whole run, in one short table.
 
 Every way in (the Trainer strategies at the end of ``fit``, :class:`~lightning_gradcomp.lightning.fabric.GradCompFabricStrategy`
-and :func:`~lightning_gradcomp.ddp.handle.register` on request) prints the same table from the running
+and :func:`~lightning_gradcomp.register` on request) prints the same table from the running
 totals (:class:`~lightning_gradcomp.metrics.stats.StepStats`, averaged over ranks) and, when a network model is
 given, the estimated communication time of the collectives actually issued next to that of DDP's dense
 all-reduce of the same gradients.

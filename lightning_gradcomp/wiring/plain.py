@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.fsdp2 import sharded_modules
-from lightning_gradcomp.ddp.handle import GradCompHandle
+from lightning_gradcomp.core.fsdp2 import check_mesh, sharded_modules
+from lightning_gradcomp.ddp.handle import check_ddp_model, GradCompHandle
 from lightning_gradcomp.exchange.checkpoint import DEFAULT_CHECKPOINT_TIMEOUT
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.fsdp.handle import FSDPHandle
@@ -56,7 +56,7 @@ def register(
     """
     plan = ExchangePlan(ExchangeOptions(compressor, error_feedback, min_compress_numel, seed),
                         exchange_thread=exchange_thread, telemetry=telemetry, timeout=timeout, caller="register()")
-    handle = attach_exchange(None, plan, ddp=ddp_model)
+    handle = attach_exchange(check_ddp_model(ddp_model).module, plan, ddp=ddp_model)
     assert isinstance(handle, GradCompHandle)
     return handle
 
@@ -92,6 +92,7 @@ def register_fsdp(
     """
     plan = ExchangePlan(ExchangeOptions(compressor, error_feedback, min_compress_numel, seed), telemetry=telemetry,
                         timeout=timeout, caller="register_fsdp()")
+    check_mesh(mesh)  # the mesh names the row: refused here, before the model's layout is read
     handle = attach_exchange(model, plan, mesh=mesh)
     assert isinstance(handle, FSDPHandle)
     return handle

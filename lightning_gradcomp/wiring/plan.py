@@ -60,6 +60,9 @@ class ExchangePlan:
         telemetry: also measure the compression error and time.
         timeout: how long a handle's ``state_dict()`` (a collective) waits for the other ranks.
         caller: the entry point, for messages and the ranks' agreement.
+        checked_by_caller: the entry point checks the optimizers at the start, shows ``θ_global`` to evaluation
+            and writes each rank's checkpoint part itself (the Trainer's DDP strategy): no optimizer watch, no
+            evaluation hook, no gather group for the handle's ``state_dict()``.
     """
 
     options: ExchangeOptions = field(default_factory=ExchangeOptions)
@@ -70,6 +73,7 @@ class ExchangePlan:
     telemetry: bool = False
     timeout: Union[timedelta, float] = DEFAULT_CHECKPOINT_TIMEOUT
     caller: str = "register()"
+    checked_by_caller: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, ExchangeOptions):
@@ -125,17 +129,16 @@ def attach_exchange(model: Optional[torch.nn.Module], plan: ExchangePlan, *,
             strategy that counts the steps itself passes none and sets ``handle.optimizers``).
         node_groups: the hierarchical DDP hook's (intra-node, cross-node) groups.
     """
-    if ddp is not None:
-        ddp = check_ddp_model(ddp)
-        model = ddp.module if model is None else model
-    assert model is not None
+    if model is None:
+        model = check_ddp_model(ddp).module
     # a fault-tolerant group of several processes may pass its own DDP wrapper of the model
     bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     refuse_a_second_exchange(bare, plan.caller)
     handle, checkpoint_ranks = _row(model, plan, ddp, mesh, group, node_groups,
                                     sharded=mesh is not None or bool(sharded_modules(bare)))
     handle.hook_state.telemetry = plan.telemetry
-    handle.checkpoint_group = checkpoint_group(checkpoint_ranks, plan.timeout)
+    if not plan.checked_by_caller:
+        handle.checkpoint_group = checkpoint_group(checkpoint_ranks, plan.timeout)
     if optimizers:
         assert isinstance(handle, LocalUpdateHandle)
         handle.optimizers = list(optimizers)
@@ -147,15 +150,15 @@ def attach_exchange(model: Optional[torch.nn.Module], plan: ExchangePlan, *,
 def _row(model: torch.nn.Module, plan: ExchangePlan, ddp: Optional[torch.nn.parallel.DistributedDataParallel],
          mesh: Optional[Any], group: Optional[dist.ProcessGroup], node_groups: Optional[tuple[Any, Any]],
          sharded: bool) -> tuple[ExchangeHandle, Optional[dist.ProcessGroup]]:
-    """The row's handle, built by its adapter, and the ranks of its checkpoint gather (``None``: the world:
+    """The row's handle, built by its adapter (a strategy's DDP wrapper is checked for the hook of every step;
+    under local updates it only gets the hook that communicates nothing), and the ranks of its checkpoint gather (``None``: the world:
     sharded rows, the hierarchical hook and fault tolerance, where every rank holds a different part)."""
     config = plan.local_updates
     if config is None and sharded:
         return attach_fsdp(model, mesh, plan.options), None
-    if config is None:
-        assert ddp is not None, "the exchange of every step of a replicated model rides on its DDP wrapper"
-        handle = attach_ddp(ddp, model, plan.options, exchange_thread=plan.exchange_thread, node_groups=node_groups,
-                            caller=plan.caller)
+    if config is None:  # the exchange of every step of a replicated model rides on its DDP wrapper
+        handle = attach_ddp(check_ddp_model(ddp), model, plan.options, exchange_thread=plan.exchange_thread,
+                            node_groups=node_groups, watch_optimizers=not plan.checked_by_caller, caller=plan.caller)
         return handle, None if node_groups is not None else ddp.process_group
     if plan.fault_tolerance is not None and sharded:
         return attach_fault_tolerant_sharded(model, config, plan.options, plan.fault_tolerance,
@@ -166,7 +169,7 @@ def _row(model: torch.nn.Module, plan: ExchangePlan, ddp: Optional[torch.nn.para
             refuse_driving_by_ddp(model)
         handle = attach_fault_tolerant(model, config, plan.options, plan.fault_tolerance,
                                        global_device=plan.global_device, ddp_inside=ddp is None and several,
-                                       caller=plan.caller)
+                                       follow_evaluation=not plan.checked_by_caller, caller=plan.caller)
         if ddp is not None and not several:
             ddp.register_comm_hook(None, no_communication_hook)
         return handle, None
@@ -177,7 +180,7 @@ def _row(model: torch.nn.Module, plan: ExchangePlan, ddp: Optional[torch.nn.para
     else:
         group = ddp.process_group
     handle = attach(model, config, plan.options, group=group, global_device=plan.global_device,
-                    refuse_ddp=ddp is None, caller=plan.caller)
+                    refuse_ddp=ddp is None, follow_evaluation=not plan.checked_by_caller, caller=plan.caller)
     if ddp is not None:
         ddp.register_comm_hook(None, no_communication_hook)
     return handle, group
