@@ -1,4 +1,4 @@
-"""The TensorBoard figures of docs/user-guide.md, drawn from the event files of real runs.
+"""The TensorBoard figures of docs/telemetry.md, drawn from the event files of real runs.
 
     python docs/make_tensorboard_figures.py [--out docs/figures] [--epochs 10]
 

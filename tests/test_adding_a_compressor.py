@@ -18,7 +18,8 @@ DOC = Path(__file__).parents[1] / "docs" / "adding-a-compressor.md"
 def scaled_sign():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     namespace: dict = {}
-    exec(compile(blocks[1], str(DOC), "exec"), namespace)  # the complete example
+    example = next(block for block in blocks if "class ScaledSign" in block)  # the complete example
+    exec(compile(example, str(DOC), "exec"), namespace)
     try:
         yield namespace["ScaledSign"]
     finally:

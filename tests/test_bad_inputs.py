@@ -301,7 +301,7 @@ def test_registered_names_build_the_strategy() -> None:
 
 
 def test_one_options_object_configures_every_strategy() -> None:
-    """``ExchangeOptions`` is the keyword list of every entry point (README, "Strategy options"): its
+    """``ExchangeOptions`` is the keyword list of every entry point (docs/guides/trainer.md, "Options"): its
     ``keywords()`` configure each strategy alike, and each keeps the same validated options."""
     options = lightning_gradcomp.ExchangeOptions("int8", min_compress_numel=4096, seed=3)
     strategies = [GradCompStrategy(**options.keywords()), GradCompSimStrategy(**options.keywords()),

@@ -1,9 +1,10 @@
-"""What the README says is refused is refused, and what it says works is accepted.
+"""What the documentation (README.md and the pages of docs/) says is refused is refused, and what it says works
+is accepted.
 
-Every list the README opens with "Refused, with the reason:" is split into its items, and each item must be
-in :data:`REFUSALS` (under the README section that holds the list) with the check that backs it: a call here
+Every list a page opens with "Refused, with the reason:" is split into its items, and each item must be
+in :data:`REFUSALS` (under the page and section that hold the list) with the check that backs it: a call here
 that must raise, or a multi-process worker (``file::function``) whose source expects the refusal's message
-and which a test runs. A refusal added to the README without a check fails here; a documented refusal that
+and which a test runs. A refusal added to the documentation without a check fails here; a documented refusal that
 the code accepts fails here or in its worker's test. :data:`FEATURES` does the same for statements that
 something is supported (each once said "refused" or "not yet" while it worked).
 """
@@ -18,7 +19,21 @@ from typing import Any, Callable, Union
 import pytest
 
 ROOT = Path(__file__).parents[1]
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _page_name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _documentation() -> str:
+    """Every page without its code blocks, each heading prefixed by its page's path (``docs/sharded.md: ## ...``)."""
+    pages = []
+    for path in PAGES:
+        prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+        pages.append(re.sub(r"^(#{1,4} .*)$", lambda m, p=path: f"{_page_name(p)}: {m.group(1)}", prose, flags=re.M))
+    return "\n".join(pages)
+
 
 #: a check: a callable that must raise ``ValueError`` matching the pattern, or a worker and its expected phrases
 Check = Union[tuple[Callable[[], Any], str], tuple[str, tuple[str, ...]]]
@@ -42,9 +57,9 @@ def _fault_tolerance() -> Any:
     return FaultTolerance(lighthouse="http://127.0.0.1:29510")
 
 
-#: README section -> refusal listed there -> its checks
+#: page: section -> refusal listed there -> its checks
 REFUSALS: dict[str, dict[str, list[Check]]] = {
-    "### Sharded models under the Trainer: `GradCompFSDPStrategy`": {
+    "docs/sharded.md: ## Sharded models under the Trainer: `GradCompFSDPStrategy`": {
         "`hierarchy`": [(lambda: _fsdp_strategy(hierarchy="node"), r"`hierarchy='node'`: the mesh is the hierarchy")],
         "`exchange_thread`": [(lambda: _fsdp_strategy(exchange_thread=True), r"`exchange_thread=True`")],
         "`data_parallel_size` / `tensor_parallel_size` and `DistributedDataParallel`'s arguments": [
@@ -54,7 +69,7 @@ REFUSALS: dict[str, dict[str, list[Check]]] = {
         ],
         '`precision="16-mixed"` (Lightning refuses it for FSDP2)': [(_fsdp_trainer_16_mixed, r"precision='16-mixed'")],
     },
-    "### Sharded models (FSDP2 / HSDP)": {
+    "docs/sharded.md: ## Plain PyTorch: `register_fsdp`": {
         "a gradient divide factor (`set_gradient_divide_factor`)": [
             ("tests/_fsdp_workers.py::check_steps_settings_and_mesh_changes", ("gradient divide factor",))],
         "`set_requires_all_reduce(False)` (use `set_requires_gradient_sync(False)` to accumulate)": [
@@ -68,7 +83,7 @@ REFUSALS: dict[str, dict[str, list[Check]]] = {
         "trainable parameters no `fully_shard` covers": [
             ("tests/_fsdp_workers.py::check_steps_settings_and_mesh_changes", ("are not sharded",))],
     },
-    "### Local updates on sharded models (FSDP2)": {
+    "docs/sharded.md: ## Local updates on sharded models (FSDP2)": {
         "a sharded model without `mesh=`": [
             ("tests/_fsdp_local_workers.py::check_resume_views_sync_and_refusals", ("pass the 2-D mesh",))],
         "`group=` with a mesh": [
@@ -80,7 +95,7 @@ REFUSALS: dict[str, dict[str, list[Check]]] = {
     },
 }
 
-#: README statements that something is supported -> a call that must be accepted, or the test that runs it
+#: statements of the documentation that something is supported -> a call that must be accepted, or the test that runs it
 FEATURES: dict[str, Union[Callable[[], Any], str]] = {
     "- **Local updates** on the shards: `local_updates=`, `global_device=`, `fault_tolerance=`":
         lambda: _fsdp_strategy(local_updates=2, global_device="cpu", fault_tolerance=_fault_tolerance()),
@@ -88,7 +103,7 @@ FEATURES: dict[str, Union[Callable[[], Any], str]] = {
     '`GradCompFSDPStrategy`) keeps `θ_global`': lambda: [
         getattr(__import__("lightning_gradcomp"), name)(local_updates=2, global_device="cpu")
         for name in ("GradCompStrategy", "GradCompFabricStrategy", "GradCompFSDPStrategy")],
-    "#### Fabric: `GradCompFabricFSDPStrategy` (`\"gradcomp_fsdp\"`)": lambda: __import__("lightning.fabric").fabric.Fabric(
+    "## Fabric: `GradCompFabricFSDPStrategy` (`\"gradcomp_fsdp\"`)": lambda: __import__("lightning.fabric").fabric.Fabric(
         strategy="gradcomp_fsdp", accelerator="cpu", devices=2),
     "Fault tolerance on shards: each replica group is one job sharded over its own world":
         "tests/test_torchft_diloco.py::test_fault_tolerant_replica_groups_of_fsdp2_shards_equal_the_mesh",
@@ -96,12 +111,13 @@ FEATURES: dict[str, Union[Callable[[], Any], str]] = {
 
 
 def refusal_lists(text: str) -> dict[str, list[str]]:
-    """Each README section's "Refused, with the reason:" list, split into its items."""
+    """Each section's "Refused, with the reason:" list, split into its items (headings as :func:`_documentation`
+    writes them)."""
     found: dict[str, list[str]] = {}
     heading = ""
-    sections = re.split(r"^(#{2,4} .*)$", text, flags=re.M)
+    sections = re.split(r"^(\S+\.md: #{1,4} .*)$", text, flags=re.M)
     for part in sections:
-        if re.match(r"#{2,4} ", part):
+        if re.match(r"\S+\.md: #{1,4} ", part):
             heading = part.strip()
             continue
         for match in re.finditer(r"Refused\**, with the reason: (.*?)(?:\.\s|\.$)", part, re.S):
@@ -111,15 +127,15 @@ def refusal_lists(text: str) -> dict[str, list[str]]:
 
 
 def test_every_documented_refusal_has_a_check_and_every_check_a_documented_refusal() -> None:
-    lists = refusal_lists(README.read_text())
-    assert lists, "the README lists no refusals: this test reads its 'Refused, with the reason:' lists"
+    lists = refusal_lists(_documentation())
+    assert lists, "the documentation lists no refusals: this test reads its 'Refused, with the reason:' lists"
     for heading, items in lists.items():
-        assert heading in REFUSALS, f"README section {heading!r} lists refusals with no checks here: {items}"
+        assert heading in REFUSALS, f"section {heading!r} lists refusals with no checks here: {items}"
         missing = [item for item in items if item not in REFUSALS[heading]]
         assert not missing, f"{heading}: refusals without a check in tests/test_documented_refusals.py: {missing}"
     for heading, checks in REFUSALS.items():
         stale = [item for item in checks if item not in lists.get(heading, [])]
-        assert not stale, f"{heading}: checks of refusals the README no longer lists: {stale}"
+        assert not stale, f"{heading}: checks of refusals the documentation no longer lists: {stale}"
 
 
 _CALLS = [(heading, item, check) for heading, items in REFUSALS.items() for item, checks in items.items()
@@ -155,7 +171,8 @@ def test_a_documented_refusal_checked_in_real_processes_is_expected_by_a_worker_
 
 @pytest.mark.parametrize("statement", list(FEATURES), ids=[statement[:40] for statement in FEATURES])
 def test_a_documented_feature_is_accepted(statement: str) -> None:
-    assert statement in " ".join(README.read_text().split()), f"the README no longer says: {statement!r}"
+    text = " ".join(" ".join(path.read_text().split()) for path in PAGES)
+    assert statement in text, f"the documentation no longer says: {statement!r}"
     check = FEATURES[statement]
     if isinstance(check, str):  # run by that test (multi-process): it must exist
         file, function = check.split("::")

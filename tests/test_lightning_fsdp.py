@@ -147,7 +147,7 @@ def test_fabric_model_parallel_with_register_fsdp_learns_and_resumes_bit_for_bit
     topk_last = sum(_mean_loss(rank["steps"], slice(-8, None)) for rank in ranks) / WORLD
     native_last = sum(_mean_loss(rank["native_steps"], slice(-8, None)) for rank in ranks) / WORLD
     assert topk_first - topk_last > 0.3, (topk_first, topk_last)
-    assert abs(topk_last - native_last) < 0.2, (topk_last, native_last)  # measured: see the README
+    assert abs(topk_last - native_last) < 0.2, (topk_last, native_last)  # measured: see docs/sharded.md
 
 
 @pytest.mark.multiprocess

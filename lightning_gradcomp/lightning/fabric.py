@@ -63,8 +63,8 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
     """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Args:
-        compressor, error_feedback, min_compress_numel, seed, exchange_thread, timeout, local_updates,
-            fault_tolerance: as for :class:`~lightning_gradcomp.GradCompStrategy` (with local updates, the
+        compressor, error_feedback, min_compress_numel, seed, exchange_thread, timeout, local_updates, fault_tolerance:
+            as for :class:`~lightning_gradcomp.GradCompStrategy` (with local updates, the
             synchronisation runs inside ``optimizer.step()`` every ``H`` steps, and ``fabric.save`` holds every
             rank's parameters and optimizer state, so a resume inside a window continues bit for bit; with
             ``fault_tolerance`` this Fabric is one replica group (several devices: DDP inside it): loop while

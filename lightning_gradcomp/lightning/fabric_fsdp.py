@@ -74,9 +74,11 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
     """Fabric's FSDP2 inside each replica, the compressed exchange between replicas.
 
     Args:
-        compressor, error_feedback, min_compress_numel, seed, local_updates, global_device, fault_tolerance,
-            shard_size, auto_wrap_policy, mp_policy, reshard_after_forward, save_distributed_checkpoint,
-            process_group_backend, timeout: as for the Trainer's
+        compressor, error_feedback, min_compress_numel, seed, local_updates, global_device, fault_tolerance: as
+            for the Trainer's :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
+        shard_size, auto_wrap_policy, mp_policy, reshard_after_forward, save_distributed_checkpoint, timeout:
+            as for the Trainer's :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
+        process_group_backend: as for the Trainer's
             :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
         parallelize_fn: ``fn(model, mesh) -> model`` that shards the model itself (``fully_shard(block,
             mesh=mesh["shard"])`` for its blocks, then the model), in place of ``auto_wrap_policy``. With

@@ -79,7 +79,8 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
         rows.append(("total compression error", f"{totals.error_sq:.4g} (Σ‖p − C(p)‖²; relative "
                                                 f"{totals.relative_error:.3g})"))
     else:
-        rows.append(("total compression error", "not recorded (telemetry off: telemetry=True, or the Trainer's CompressionMonitor)"))
+        rows.append(("total compression error", "not recorded (telemetry off: add the Trainer's CompressionMonitor "
+                     "callback, or telemetry=True in register(), local_updates() or the Fabric strategies)"))
     if network is not None and comm_s is not None and dense_s is not None:
         link = f"{network.bandwidth_gbps:g} Gbit/s {network.topology}, {network.latency_us:g} µs"
         saved = dense_s - comm_s
