@@ -98,7 +98,7 @@ def test_one_wiring_builds_every_exchange() -> None:
             if isinstance(node, ast.Call):
                 called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
                 if called in ROW_BUILDERS | {"ExchangeSession", "GradCompHookState", "HierarchicalHookState",
-                                             "LocalUpdateLoop", "FaultTolerantLoop", "ShardedLocalUpdateLoop"}:
+                                             "LocalUpdateLoop", "fault_tolerant_loop", "ShardedLocalUpdateLoop"}:
                     wrong.append(f"{name}:{node.lineno} calls {called}")
     assert not wrong, "\n".join(wrong)
 

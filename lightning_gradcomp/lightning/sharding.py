@@ -68,7 +68,7 @@ def replicas_exchanging(handle: Any, mesh: Any) -> int:
     """The processes that exchange one shard compressed: the replicas of ``mesh`` (under fault tolerance, the
     replica groups of the last quorum)."""
     if isinstance(handle, FaultTolerantHandle):
-        return handle.loop.driver.world_size
+        return handle.loop.exchange.driver.world_size
     return mesh["replicate"].size()
 
 

@@ -40,7 +40,7 @@ from lightning_gradcomp.lightning.step_figures import (
     log_mean_over_ranks,
 )
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
-from lightning_gradcomp.local.fault_tolerance import FaultTolerance, FaultTolerantLoop
+from lightning_gradcomp.local.fault_tolerance import FaultTolerance, TorchftMembership
 from lightning_gradcomp.local.handle import LOCAL_STATE_DROPPED, LocalUpdateHandle
 from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.wiring.plan import check_fault_tolerance, check_global_device_option
@@ -204,9 +204,14 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     def compression_workers(self) -> int:
         """The number of workers exchanging compressed gradients: the world size (under fault tolerance: the
         replica groups of the last quorum)."""
-        if isinstance(self.local_loop, FaultTolerantLoop):
-            return self.local_loop.driver.world_size
+        if self._fault_tolerant:
+            return self.local_loop.exchange.driver.world_size
         return self.world_size
+
+    @property
+    def _fault_tolerant(self) -> bool:
+        """Whether this process belongs to a replica group under torchft."""
+        return self.local_loop is not None and isinstance(self.local_loop.membership, TorchftMembership)
 
     @property
     def outer_loop(self) -> Optional[ScheduledSyncs]:
@@ -315,7 +320,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self.local_loop is not None:
             self.local_loop.close()  # count the overlapped exchanges still in flight
         print_fit_summary(self)
-        if isinstance(self.local_loop, FaultTolerantLoop) and self.is_global_zero and self.print_summary:
+        if self._fault_tolerant and self.is_global_zero and self.print_summary:
             print(self.local_loop.membership.figures.describe(), flush=True)
 
     @override
@@ -345,7 +350,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         """This rank's index among the checkpoint's parts and their number: the ranks of the exchange's
         checkpoint group (the world; under fault tolerance this replica group's processes, whose exchange
         group is torchft's and changes with the quorum)."""
-        if isinstance(self.local_loop, FaultTolerantLoop):
+        if self._fault_tolerant:
             return self.global_rank, self.world_size
         group = self.hook_state.checkpoint_group
         return dist.get_rank(group), dist.get_world_size(group)

@@ -52,7 +52,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,9 +60,9 @@ import torch.distributed as dist
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableDriver, world_collective_device
 from lightning_gradcomp.local.config import LocalUpdates
-from lightning_gradcomp.local.loop import LocalUpdateLoop, PendingSync, WholeModel
+from lightning_gradcomp.local.loop import FixedMembership, LocalUpdateLoop, PendingSync, WholeModel
 from lightning_gradcomp.local.outer import trainable_parameters
-from lightning_gradcomp.local.windows import group_figures, GroupFigures
+from lightning_gradcomp.local.windows import group_figures
 
 #: the command the refusal without torchft names
 INSTALL = 'pip install "lightning-gradcomp[ft]"  (or: pip install torchft)'
@@ -209,66 +209,6 @@ class MembershipFigures:
                 f"{self.quorum_seconds:.1f} s waiting for quorums")
 
 
-class Membership:
-    """torchft's ``Manager`` for this process of one replica group (the group is this job's
-    ``torch.distributed`` world): the quorum at each synchronisation, the process group between the same
-    rank of every group, reconfigured as groups leave and join, the commit vote (every rank of this group),
-    and the state a joining group receives (each rank its own, from the same rank of a live group)."""
-
-    def __init__(self, config: FaultTolerance, state_dict: Callable[[], dict[str, Any]],
-                 load_state_dict: Callable[[dict[str, Any]], None]) -> None:
-        torchft = torchft_module()
-        self.config = config
-        self.figures = MembershipFigures()
-        self.group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config.timeout))
-        store = _store_address()
-        try:
-            self.manager = torchft.Manager(
-                pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=load_state_dict,
-                state_dict=state_dict, replica_id=config.group_name, store_addr=store[0], store_port=store[1],
-                rank=dist.get_rank(), world_size=dist.get_world_size(), lighthouse_addr=config.address,
-                timeout=timedelta(seconds=config.timeout), quorum_timeout=timedelta(seconds=config.quorum_timeout),
-                connect_timeout=timedelta(seconds=config.connect_timeout))
-        except Exception as error:  # the lighthouse (or this group's manager on rank 0) cannot be reached
-            raise RuntimeError(f"gradcomp: could not reach the torchft lighthouse at {config.address} (FaultTolerance("
-                               f"lighthouse=...) or TORCHFT_LIGHTHOUSE) within connect_timeout={config.connect_timeout:g} "
-                               f"s: {error}; is `torchft_lighthouse` running there, and reachable from this host?") from error
-        self._last_participants = 0
-
-    def quorum(self) -> tuple[Any, int]:
-        """Join the quorum of this synchronisation (heals this group first if it is behind); the process group
-        between the groups and the number of participants."""
-        began = time.perf_counter()
-        step_before = self.manager.current_step()
-        try:
-            self.manager.start_quorum()
-        except Exception as error:  # the lighthouse unreachable, or no quorum in time
-            raise RuntimeError(describe_no_quorum(self.config, error)) from error
-        self.figures.quorum_seconds += time.perf_counter() - began
-        if self.manager.current_step() != step_before:
-            self.figures.heals += 1
-        participants = self.manager.num_participants()
-        if self._last_participants and participants < self._last_participants:
-            self.figures.departures += 1
-        self._last_participants = participants
-        self.figures.participants.append(participants)
-        return getattr(self.group, "_pg", None), participants
-
-    def report_error(self, error: BaseException) -> None:
-        self.manager.report_error(error)
-
-    def should_commit(self) -> bool:
-        committed = self.manager.should_commit()
-        if committed:
-            self.figures.commits += 1
-        else:
-            self.figures.rollbacks += 1
-        return committed
-
-    def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
-
-
 def _store_address() -> tuple[str, int]:
     """The replica group's own store (torch.distributed's, as torchrun's ``MASTER_ADDR``/``MASTER_PORT``)."""
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -338,43 +278,31 @@ class RowBlocksOfModel(WholeModel):
             dist.broadcast(buffer, 0)
 
 
-class FaultTolerantLoop(LocalUpdateLoop):
-    """:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop` whose synchronisations go through a torchft
-    quorum: the exchange runs over the quorum's process group (:class:`ReconfigurableDriver`), the average is
-    over the participants, and the outer step is applied only when every rank of this group exchanged
-    successfully (torchft's vote is per group: one that rolled back while others committed heals from them at
-    the next quorum).
+class TorchftMembership(FixedMembership):
+    """The membership of a replica group under torchft, composed into the loop
+    (:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop`'s ``membership``): torchft's ``Manager`` for this
+    process of the group (the group is this job's ``torch.distributed`` world), the quorum at each
+    synchronisation, the process group between the same rank of every group, reconfigured as groups leave and
+    join (the exchange runs over it: :class:`ReconfigurableDriver`, the average over the participants), the
+    commit vote (every rank of this group: the outer step is applied only when each exchanged successfully; a
+    group that rolled back while others committed heals from them at the next quorum), and the state a joining
+    group receives (each rank its own, from the same rank of a live group).
 
-    At construction the group joins: with every group at step 0 (a fresh start) the quorum only agrees on the
-    initial weights (torchft copies the first group's to the others); a group that joins a running job
-    (a replacement) receives θ_global, the outer optimizer's state and the schedule position from a live
-    peer and takes part in that synchronisation at once, with a zero outer gradient.
+    When the loop is built the group joins: with every group at step 0 (a fresh start) the quorum only agrees
+    on the initial weights (torchft copies the first group's to the others); a group that joins a running job
+    (a replacement) receives θ_global, the outer optimizer's state and the schedule position from a live peer
+    and takes part in that synchronisation at once, with a zero outer gradient.
 
     With fragments (Streaming DiLoCo) each fragment's synchronisation is one quorum, exchange and vote, and a
     rollback restores that fragment alone; with ``delay`` the exchange runs on the exchange thread (over
     torchft's group) while the inner steps go on, and the vote comes at the merge (``delay`` is below
     ``H / fragments``, so one fragment's synchronisation ends before the next one's quorum).
-
-    Args:
-        module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
-            group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
-        fault_tolerance: the lighthouse and this group's name.
-        global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
-        layout: how the group's processes hold the model: FSDP2 shards
-            (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`), or (``None``) whole, on one process
-            (:class:`~lightning_gradcomp.local.loop.WholeModel`) or on each of several
-            (:class:`RowBlocksOfModel`).
     """
 
-    def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
-                 fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None,
-                 layout: Optional[WholeModel] = None) -> None:
-        if layout is None and dist.get_world_size() > 1:  # a whole model on each of the group's processes
-            layout = RowBlocksOfModel([p for _, p in trainable_parameters(module)])
-        super().__init__(module, config, exchange, global_device=global_device, layout=layout)
-        self.driver = ReconfigurableDriver()
-        exchange.use_driver(self.driver)
-        self.membership = Membership(fault_tolerance, self._shared_state, self._receive_state)
+    def __init__(self, config: FaultTolerance) -> None:
+        self.config = config
+        self.figures = MembershipFigures()
+        self._last_participants = 0
         self._participants = 1
         self._failed: Optional[BaseException] = None
         self._quorum_taken = False
@@ -383,32 +311,93 @@ class FaultTolerantLoop(LocalUpdateLoop):
         self._syncing: Optional[tuple[int, int]] = None
         #: whether this group healed from a running job when it joined (a checkpoint's outer state is then stale)
         self.joined_running_job = False
+
+    def attach(self, loop: LocalUpdateLoop) -> None:
+        super().attach(loop)
+        self.driver = ReconfigurableDriver()
+        loop.exchange.use_driver(self.driver)
+        torchft = torchft_module()
+        config = self.config
+        self.group = torchft.ProcessGroupGloo(timeout=timedelta(seconds=config.timeout))
+        store = _store_address()
+        try:
+            self.manager = torchft.Manager(
+                pg=self.group, min_replica_size=1, use_async_quorum=False, load_state_dict=self._receive_state,
+                state_dict=self._shared_state, replica_id=config.group_name, store_addr=store[0], store_port=store[1],
+                rank=dist.get_rank(), world_size=dist.get_world_size(), lighthouse_addr=config.address,
+                timeout=timedelta(seconds=config.timeout), quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timedelta(seconds=config.connect_timeout))
+        except Exception as error:  # the lighthouse (or this group's manager on rank 0) cannot be reached
+            raise RuntimeError(f"gradcomp: could not reach the torchft lighthouse at {config.address} (FaultTolerance("
+                               f"lighthouse=...) or TORCHFT_LIGHTHOUSE) within connect_timeout={config.connect_timeout:g} "
+                               f"s: {error}; is `torchft_lighthouse` running there, and reachable from this host?") from error
         self._join()
         #: the schedule position when this group joined (0 at a fresh start)
-        self.joined_at_step = self.outer.optimizer_steps
+        self.joined_at_step = loop.outer.optimizer_steps
 
+    # ------------------------------------------------------------------ torchft's manager
+    def quorum(self) -> tuple[Any, int]:
+        """Join the quorum of this synchronisation (heals this group first if it is behind); the process group
+        between the groups and the number of participants."""
+        began = time.perf_counter()
+        step_before = self.manager.current_step()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # the lighthouse unreachable, or no quorum in time
+            raise RuntimeError(describe_no_quorum(self.config, error)) from error
+        self.figures.quorum_seconds += time.perf_counter() - began
+        if self.manager.current_step() != step_before:
+            self.figures.heals += 1
+        participants = self.manager.num_participants()
+        if self._last_participants and participants < self._last_participants:
+            self.figures.departures += 1
+        self._last_participants = participants
+        self.figures.participants.append(participants)
+        return getattr(self.group, "_pg", None), participants
+
+    def _vote(self) -> bool:
+        """torchft's commit vote (every rank of this group; one that failed says no)."""
+        committed = self.manager.should_commit()
+        if committed:
+            self.figures.commits += 1
+        else:
+            self.figures.rollbacks += 1
+        return committed
+
+    def _fail(self, error: BaseException) -> None:
+        """This group's exchange failed: it votes no at the merge."""
+        if self._failed is None:
+            self._failed = error
+            self.manager.report_error(error)
+
+    def shutdown(self) -> None:
+        """Leave the quorum (the manager's server stops; the others go on without this group)."""
+        self.manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ joining
     def _join(self) -> None:
+        loop = self.loop
         self._take_quorum()  # a group behind the others heals here (_receive_state)
-        if self.membership.manager.current_step() == 0:  # a fresh start: every group holds the first's weights
+        if self.manager.current_step() == 0:  # a fresh start: every group holds the first's weights
             self._wait_for_the_expected_groups()
             if self._failed is None:
                 try:  # a barrier: no group commits (its checkpoint server moves on) before every group has healed
                     self.driver.all_reduce(torch.zeros(1))
                 except CollectiveError as error:
-                    self.membership.report_error(error)
-            self.membership.manager.should_commit()
+                    self.manager.report_error(error)
+            self.manager.should_commit()
             self._quorum_taken = False
-            if isinstance(self.layout, RowBlocksOfModel):
+            if isinstance(loop.layout, RowBlocksOfModel):
                 self._equalise_group()
             return
         # a running job's synchronisation, the one the others are starting (received with the state): take
         # part, with a zero outer gradient, and merge it when they do (at once, or after `delay` steps)
         self.joined_running_job = True
-        now = self.outer.optimizer_steps
-        fragment, merge_in = self._received_syncing or (0, self.outer.delay)
-        pending = self._begin(fragment, now + merge_in)
+        now = loop.outer.optimizer_steps
+        fragment, merge_in = self._received_syncing or (0, loop.outer.delay)
+        pending = loop._begin(fragment, now + merge_in)
         if merge_in == 0:
-            self._complete(pending)
+            loop._complete(pending)
 
     #: seconds between two quorums while a fresh start waits for the expected groups
     START_POLL_S = 0.05
@@ -418,10 +407,10 @@ class FaultTolerantLoop(LocalUpdateLoop):
         step stays 0) until N groups are in one, for about ``start_timeout`` seconds at most (its polls of
         ``START_POLL_S``, plus the quorums' own time). Every group that is waiting
         does the same, so the quorum that holds N holds each of them, and they all go on from it together."""
-        config = self.membership.config
+        config = self.config
         if config.expected_groups is None:
             return
-        departures = self.membership.figures.departures
+        departures = self.figures.departures
         # counted in polls, not read from each process's clock: the processes of a group take the same quorums
         # and must stop after the same one (a process that stopped alone would leave the others' next quorum
         # waiting for it)
@@ -434,34 +423,43 @@ class FaultTolerantLoop(LocalUpdateLoop):
             warnings.warn(f"gradcomp: fault tolerance: {self._participants} of the {config.expected_groups} expected "
                           f"replica groups after start_timeout={config.start_timeout:g} s; training starts with them, "
                           "and the others join when they come (healing from θ_global)", UserWarning, stacklevel=2)
-        figures = self.membership.figures  # the quorums of the wait are not synchronisations
-        del figures.participants[:-1]
-        figures.departures = departures
-
-    @property
-    def steps_taken_here(self) -> int:
-        return self.outer.optimizer_steps - self.joined_at_step
+        del self.figures.participants[:-1]  # the quorums of the wait are not synchronisations
+        self.figures.departures = departures
 
     def _take_quorum(self) -> None:
         # the last synchronisation's figures are closed among the groups that made them: bytes depend on the
         # group's size, which the quorum may change
-        self.exchange.flush()
-        group, self._participants = self.membership.quorum()
-        self._failed = None if group is not None else (self.membership.manager.errored() or
+        self.loop.exchange.flush()
+        group, self._participants = self.quorum()
+        self._failed = None if group is not None else (self.manager.errored() or
                                                        RuntimeError("the quorum's process group was not configured"))
         if group is not None:
             self.driver.use(group)
         self._quorum_taken = True
 
+    @torch.no_grad()
+    def _equalise_group(self) -> None:
+        """At a fresh start torchft gives each rank the weights of the same rank of *some* group, chosen per
+        rank: a group of DDP processes could start from several groups' initial weights. Its first rank's
+        (now the same in every group) are broadcast inside the group and become θ_global."""
+        loop = self.loop
+        for tensor in [*loop.params, *(buffer for _, buffer in loop.buffers)]:
+            dist.broadcast(tensor.data, 0)
+        for glob, param in zip(loop.outer.global_params, loop.params):
+            glob.copy_(param.detach())
+        for fragment in range(loop.outer.fragments):
+            loop.global_buffers.record(fragment, [buffer for _, buffer in loop.buffers])
+
     # ------------------------------------------------------------------ what a joining group receives
     def _shared_state(self) -> dict[str, Any]:
         """θ_global, the outer optimizer's state and the schedule position (torchft's checkpoint transport
         sends it to a group that heals)."""
+        outer = self.loop.outer
         syncing = None
         if self._syncing is not None:  # which synchronisation this quorum is for, and when it merges
             fragment, merge_at = self._syncing
-            syncing = (fragment, merge_at - self.outer.optimizer_steps)
-        return {"outer": self.outer.state_dict(), "global_buffers": self.global_buffers.state_dict(),
+            syncing = (fragment, merge_at - outer.optimizer_steps)
+        return {"outer": outer.state_dict(), "global_buffers": self.loop.global_buffers.state_dict(),
                 "syncing": syncing}
 
     #: the synchronisation the peer that sent the state was starting (fragment, steps until its merge)
@@ -471,135 +469,117 @@ class FaultTolerantLoop(LocalUpdateLoop):
     def _receive_state(self, state: dict[str, Any]) -> None:
         """A peer's :meth:`_shared_state`: this group continues from θ_global, with fresh residuals and
         compressor state."""
-        self._adopt_saved_fragments(state["outer"])  # a group that joins before its first step: the peers' grouping
-        self.outer.load_state_dict(state["outer"])
-        self.global_buffers.load_state_dict(state.get("global_buffers"))
-        self.adopt_global()
-        self.exchange.memory.clear()
-        self.clock.units_since = [0] * self.outer.fragments  # its work since is dropped: it merges with weight 0
+        loop = self.loop
+        loop._adopt_saved_fragments(state["outer"])  # a group that joins before its first step: the peers' grouping
+        loop.outer.load_state_dict(state["outer"])
+        loop.global_buffers.load_state_dict(state.get("global_buffers"))
+        loop.adopt_global()
+        loop.exchange.memory.clear()
+        loop.clock.units_since = [0] * loop.outer.fragments  # its work since is dropped: it merges with weight 0
         self._received_syncing = tuple(state["syncing"]) if state.get("syncing") is not None else None
 
-    # ------------------------------------------------------------------ a synchronisation
-    @torch.no_grad()
-    def _start(self, fragment: int, merge_at: int) -> PendingSync:
+    # ------------------------------------------------------------------ a synchronisation (the loop's hooks)
+    def begin(self, fragment: int, merge_at: int) -> bool:
+        """Take this synchronisation's quorum (unless joining took it); exchange when it formed."""
         self._syncing = (fragment, merge_at)
         if not self._quorum_taken:
             self._take_quorum()
         self._quorum_taken = False
         self._syncing = None
-        if self._failed is None:
-            try:
-                return super()._start(fragment, merge_at)  # its first collective: _agree, below
-            except CollectiveError as error:  # a group died during the exchange: this group votes no
-                self._failed = error
-                self.membership.report_error(error)
-        # nothing to apply; the group's ranks still share their (zero) parts below, every rank alike
-        pending = PendingSync(fragment, merge_at, [torch.zeros_like(self.outer.global_params[i]).view(-1)
-                                                   for i in self.outer.members(fragment)])
-        self.pending = [p for p in self.pending if p.fragment != fragment] + [pending]
-        return pending
+        return self._failed is None
 
-    @torch.no_grad()
-    def _equalise_group(self) -> None:
-        """At a fresh start torchft gives each rank the weights of the same rank of *some* group, chosen per
-        rank: a group of DDP processes could start from several groups' initial weights. Its first rank's
-        (now the same in every group) are broadcast inside the group and become θ_global."""
-        for tensor in [*self.params, *(buffer for _, buffer in self.buffers)]:
-            dist.broadcast(tensor.data, 0)
-        for glob, param in zip(self.outer.global_params, self.params):
-            glob.copy_(param.detach())
-        for fragment in range(self.outer.fragments):
-            self.global_buffers.record(fragment, [buffer for _, buffer in self.buffers])
+    def exchange_failed(self, error: CollectiveError) -> None:
+        """A group died during the exchange: this group votes no (the others, too, usually)."""
+        self._fail(error)
 
-    def _agree(self, fragment: int, merge_at: int) -> None:
+    def agree(self, fragment: int, merge_at: int) -> None:
         """Check that every participant exchanges the same thing now (one small all-gather): the fragment, the
         elements this rank exchanges, its group's number of processes (and the window under
         ``window_seconds``), then its group's figures (:mod:`~lightning_gradcomp.local.windows`: the samples
         behind its outer gradient, its step time, its loop's length). Groups of different sizes, or a group
         joined at another synchronisation, would otherwise exchange tensors of different sizes (gloo aborts the
-        process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback."""
-        elements = sum(self._exchanged_elements(i) for i in self.outer.members(fragment))
-        window = self.outer.windows if self.outer.time_boxed else 0
+        process) or mix fragments; a disagreement raises :class:`CollectiveError`: a rollback.
+
+        A group that healed into this synchronisation (no inner step since: its outer gradient is zero) does
+        not make the others' weights unequal: when every group that trained counted alike, the weights stay 1
+        and the participants' average is taken as before weighting existed (the quorum's size over the
+        participants', :meth:`commit`), bit for bit."""
+        loop = self.loop
+        elements = sum(loop._exchanged_elements(i) for i in loop.outer.members(fragment))
+        window = loop.outer.windows if loop.outer.time_boxed else 0
         shared = [fragment, elements, dist.get_world_size(), window]
-        mine = torch.tensor([*shared, *self._group_row(fragment, world_collective_device())], dtype=torch.int64)
+        mine = torch.tensor([*shared, *loop._group_row(fragment, world_collective_device())], dtype=torch.int64)
         everyone = self.driver.all_gather(mine)
         if not bool((everyone[:, :len(shared)] == mine[:len(shared)]).all()):
             raise CollectiveError(
                 "the replica groups disagree on this synchronisation (rows: fragment, elements exchanged by this "
                 f"rank, processes per group, window): {everyone[:, :len(shared)].tolist()}; every group needs the "
                 "same number of processes, model, sync_every and fragments")
-        self._take_weight(fragment, [group_figures(row[len(shared):]) for row in everyone.tolist()],
-                          self.driver.rank)
-
-    def _take_weight(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> None:
-        """As the loop's, but a group that healed into this synchronisation (no inner step since: its outer
-        gradient is zero) does not make the others' weights unequal: when every group that trained counted
-        alike, the weights stay 1 and the participants' average is taken as before weighting existed (the
-        quorum's size over the participants', :meth:`_merge`), bit for bit."""
-        super()._take_weight(fragment, groups, me)
+        groups = [group_figures(row[len(shared):]) for row in everyone.tolist()]
+        loop._take_weight(fragment, groups, self.driver.rank)
         if len({group.units for group in groups if group.units > 0}) <= 1:
-            self.weight, self.weights_equal = 1.0, True
+            loop.weight, loop.weights_equal = 1.0, True
 
-    def _settle(self, pending: PendingSync) -> None:
+    def settle(self, pending: PendingSync) -> None:
         """Wait for an overlapped exchange (``delay > 0``); its failure is this group's vote (no), and what
         arrived is replaced by zeros (shared inside the group alike, applied nowhere)."""
         for future in pending.futures:
             try:
                 future.wait()
             except CollectiveError as error:
-                if self._failed is None:
-                    self._failed = error
-                    self.membership.report_error(error)
+                self._fail(error)
         pending.futures = []
         if self._failed is not None:
             for averaged in pending.averaged:
                 averaged.zero_()
 
-    def state_dict(self, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
-        """The loop's checkpoint entry; an overlapped exchange in flight is waited for first, a failed one
-        recorded as this group's vote (as at its merge) instead of raising."""
-        for pending in self.pending:
-            self._settle(pending)
-        return super().state_dict(optimizers)
-
-    def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Any] = ()) -> None:
-        """A checkpoint of this group, unless it joined a running job: then the state it healed from the
-        others (θ_global, the outer state, the schedule position) is newer, and the checkpoint's local-update
-        state is dropped with a warning."""
-        if self.joined_running_job:
-            warnings.warn("gradcomp: this replica group joined a running job and received θ_global and the schedule "
-                          "position from a live group; the checkpoint's local-update state (older) is not loaded",
-                          UserWarning, stacklevel=2)
-            return
-        super().load_state_dict(state, optimizers)
-
-    @torch.no_grad()
-    def _merge(self, pending: PendingSync) -> None:
-        self._settle(pending)
-        self.layout.share(self.outer.members(pending.fragment), pending.averaged)
-        committed = self.membership.should_commit()  # every rank of this group votes, a failed one says no
+    def commit(self, pending: PendingSync) -> bool:
+        """Share the group's averages inside it, vote; on a commit, scale the average to the participants'."""
+        loop = self.loop
+        loop.layout.share(loop.outer.members(pending.fragment), pending.averaged)
+        committed = self._vote()
         if committed and self._failed is None:
             # the engine averaged over the quorum's size; a group that healed into this synchronisation sent a
             # zero outer gradient: scaled back to the participants' average, unless the weights (by samples, see
             # local/windows.py: a healed group's are 0) did that already
-            scale = self.driver.world_size / self._participants if self.weights_equal else 1.0
+            scale = self.driver.world_size / self._participants if loop.weights_equal else 1.0
             if scale != 1.0:
                 torch._foreach_mul_(pending.averaged, scale)
-            super()._merge(pending)
-            return
-        self.pending.remove(pending)
+            return True
         reason = self._failed or "another replica group failed"
-        warnings.warn(f"gradcomp: synchronisation {self.outer.syncs + 1} (fragment {pending.fragment}) was rolled back "
+        warnings.warn(f"gradcomp: synchronisation {loop.outer.syncs + 1} (fragment {pending.fragment}) was rolled back "
                       f"({reason}); this replica group restarts this fragment from its unchanged global parameters "
-                      "and the inner steps since its last synchronisation are dropped", RuntimeWarning, stacklevel=3)
-        self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
-        self.global_buffers.copy_into([buffer for _, buffer in self.buffers], pending.fragment)
-        for index in self.outer.members(pending.fragment):  # their last update may hold the dropped window
-            residual = self.exchange.memory.residuals.get(self.names[index])
-            if residual is not None:
-                residual.zero_()  # in place: it may be a view of its bucket's flat residual
-        self.synced = True
+                      "and the inner steps since its last synchronisation are dropped", RuntimeWarning, stacklevel=4)
+        return False
 
-    def shutdown(self) -> None:
-        """Leave the quorum (the manager's server stops; the others go on without this group)."""
-        self.membership.shutdown()
+    def accepts_checkpoint(self) -> bool:
+        """A checkpoint of this group is loaded, unless the group joined a running job: then the state it healed
+        from the others (θ_global, the outer state, the schedule position) is newer, and the checkpoint's
+        local-update state is dropped with a warning."""
+        if self.joined_running_job:
+            warnings.warn("gradcomp: this replica group joined a running job and received θ_global and the schedule "
+                          "position from a live group; the checkpoint's local-update state (older) is not loaded",
+                          UserWarning, stacklevel=3)
+        return not self.joined_running_job
+
+
+def fault_tolerant_loop(module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
+                        fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None,
+                        layout: Optional[WholeModel] = None) -> LocalUpdateLoop:
+    """The outer loop of one process of a replica group under torchft: the loop with
+    :class:`TorchftMembership` composed in.
+
+    Args:
+        module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
+            group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
+        fault_tolerance: the lighthouse and this group's name.
+        global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
+        layout: how the group's processes hold the model: FSDP2 shards
+            (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`), or (``None``) whole, on one process
+            (:class:`~lightning_gradcomp.local.loop.WholeModel`) or on each of several
+            (:class:`RowBlocksOfModel`).
+    """
+    if layout is None and dist.get_world_size() > 1:  # a whole model on each of the group's processes
+        layout = RowBlocksOfModel([p for _, p in trainable_parameters(module)])
+    return LocalUpdateLoop(module, config, exchange, global_device=global_device, layout=layout,
+                           membership=TorchftMembership(fault_tolerance))

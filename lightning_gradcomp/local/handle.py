@@ -44,9 +44,10 @@ from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import (
+    fault_tolerant_loop,
     FaultTolerance,
-    FaultTolerantLoop,
     MembershipFigures,
+    TorchftMembership,
     torchft_module,
 )
 from lightning_gradcomp.local.loop import LocalUpdateLoop, WholeModel
@@ -280,12 +281,15 @@ class FaultTolerantHandle(LocalUpdateHandle):
     """:class:`LocalUpdateHandle` of a replica group under torchft (``local_updates(..., fault_tolerance=...)``):
     its checkpoint and summary are this group's own; :attr:`fault_tolerance` holds the quorums' figures."""
 
-    loop: FaultTolerantLoop
+    @property
+    def membership(self) -> TorchftMembership:
+        """The loop's membership: torchft's quorums, votes and heals."""
+        return self.loop.membership  # type: ignore[return-value]
 
     @property
     def fault_tolerance(self) -> MembershipFigures:
         """Participants per synchronisation, commits, rollbacks, heals, seconds waiting for quorums."""
-        return self.loop.membership.figures
+        return self.membership.figures
 
     def summary(self, network: Optional[Any] = None) -> str:
         return f"{super().summary(network)}\n{self.fault_tolerance.describe()}"
@@ -294,7 +298,7 @@ class FaultTolerantHandle(LocalUpdateHandle):
         return None  # this job alone: the groups' processes do not all-reduce outside a synchronisation
 
     def _exchange_workers(self) -> int:
-        return self.loop.driver.world_size
+        return self.loop.exchange.driver.world_size
 
     def _entry_position(self) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
@@ -343,7 +347,7 @@ def attach_fault_tolerant(model: torch.nn.Module, config: LocalUpdates, options:
                               caller=caller)
     if checkpoint_layout is not None:
         session.layout = checkpoint_layout
-    loop = FaultTolerantLoop(model, config, session, fault_tolerance, global_device=global_device, layout=model_layout)
+    loop = fault_tolerant_loop(model, config, session, fault_tolerance, global_device=global_device, layout=model_layout)
     handle = FaultTolerantHandle(loop, [], device, follow_evaluation=follow_evaluation)
     if ddp_inside:
         handle.wrapper_check = require_gradient_all_reduce

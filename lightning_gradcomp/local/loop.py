@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.agreement import out_of_step, ScheduleMismatch
-from lightning_gradcomp.exchange.drivers import collective_device
+from lightning_gradcomp.exchange.drivers import collective_device, CollectiveError
 from lightning_gradcomp.exchange.engine import Entry
 from lightning_gradcomp.exchange.waits import Arrival
 from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
@@ -396,6 +396,52 @@ class ScheduledSyncs:
         raise NotImplementedError
 
 
+class FixedMembership:
+    """Who takes part in the loop's synchronisations, the default policy: every rank of the exchange's process
+    group, every time. Ranks out of step are an error on every rank
+    (:class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, :meth:`LocalUpdateLoop.agree_on_schedule`),
+    a failed exchange raises its :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`, every
+    synchronisation is applied, and a checkpoint is always this run's own. The other policy,
+    :class:`~lightning_gradcomp.local.fault_tolerance.TorchftMembership`, takes a quorum of replica groups at
+    each synchronisation, votes, rolls back and heals: the loop calls the same hooks either way."""
+
+    #: the schedule position when this rank joined the run (0: at its start)
+    joined_at_step = 0
+
+    def attach(self, loop: "LocalUpdateLoop") -> None:
+        """Called once, at the end of ``loop``'s construction."""
+        self.loop = loop
+
+    def begin(self, fragment: int, merge_at: int) -> bool:
+        """Before a synchronisation's first collective: whether this rank exchanges its outer gradients."""
+        return True
+
+    def agree(self, fragment: int, merge_at: int) -> None:
+        """The synchronisation's first collective: check that every participant starts the same one."""
+        self.loop.agree_on_schedule(fragment, merge_at)
+
+    def exchange_failed(self, error: CollectiveError) -> None:
+        """An exchange failed (a dead peer): raised."""
+        raise error
+
+    def settle(self, pending: PendingSync) -> None:
+        """Wait for ``pending``'s exchange in flight (its error raised)."""
+        for future in pending.futures:
+            future.wait()
+        pending.futures = []
+
+    def commit(self, pending: PendingSync) -> bool:
+        """Whether ``pending``'s average is applied (after :meth:`settle`); False rolls the fragment back."""
+        return True
+
+    def accepts_checkpoint(self) -> bool:
+        """Whether a checkpoint's local-update state is loaded."""
+        return True
+
+    def shutdown(self) -> None:
+        """Leave the run (nothing to leave for a fixed group)."""
+
+
 class LocalUpdateLoop(ScheduledSyncs):
     """The outer loop of one rank.
 
@@ -409,13 +455,17 @@ class LocalUpdateLoop(ScheduledSyncs):
             device; ``"cpu"``: host memory).
         layout: how the rank holds the model: whole (:class:`WholeModel`, the default) or its FSDP2 shards
             (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`).
+        membership: who takes part in each synchronisation: every rank, always (:class:`FixedMembership`, the
+            default), or the replica groups of a torchft quorum
+            (:class:`~lightning_gradcomp.local.fault_tolerance.TorchftMembership`).
 
     Attributes:
         synced: whether the last :meth:`step` merged a synchronisation.
     """
 
     def __init__(self, module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
-                 global_device: Optional[Union[str, torch.device]] = None, layout: Optional[WholeModel] = None) -> None:
+                 global_device: Optional[Union[str, torch.device]] = None, layout: Optional[WholeModel] = None,
+                 membership: Optional[FixedMembership] = None) -> None:
         self.module = module
         self.layout = layout if layout is not None else WholeModel()
         named = trainable_parameters(module)
@@ -439,6 +489,8 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.weights_equal = True
         #: each parameter's dtype and device when θ_global was built from it (checked at each synchronisation)
         self._built_as = [(p.dtype, p.device) for p in self._parameters]
+        self.membership = membership if membership is not None else FixedMembership()
+        self.membership.attach(self)
 
     @property
     def params(self) -> list[Tensor]:  # type: ignore[override]
@@ -460,11 +512,33 @@ class LocalUpdateLoop(ScheduledSyncs):
     def sync_every(self) -> int:
         return self.outer.sync_every
 
+    @property
+    def steps_taken_here(self) -> int:
+        return self.outer.optimizer_steps - self.membership.joined_at_step
+
     @torch.no_grad()
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
-        """Start the exchange of ``fragment``'s outer gradients (on the exchange thread when delayed)."""
+        """Start ``fragment``'s synchronisation: its exchange when the membership lets this rank take part
+        (and the exchange does not fail), else one that applies nothing."""
+        if self.membership.begin(fragment, merge_at):
+            try:
+                return self._exchange_fragment(fragment, merge_at)
+            except CollectiveError as error:
+                self.membership.exchange_failed(error)
+        return self._nothing_to_apply(fragment, merge_at)
+
+    def _nothing_to_apply(self, fragment: int, merge_at: int) -> PendingSync:
+        """A synchronisation this rank did not exchange: zero averages (which a replica's ranks still share
+        with one another, every rank alike), applied nowhere."""
+        pending = PendingSync(fragment, merge_at, [torch.zeros_like(self.outer.global_params[i]).view(-1)
+                                                   for i in self.outer.members(fragment)])
+        self.pending = [p for p in self.pending if p.fragment != fragment] + [pending]
+        return pending
+
+    def _exchange_fragment(self, fragment: int, merge_at: int) -> PendingSync:
+        """Exchange ``fragment``'s outer gradients (on the exchange thread when delayed)."""
         self._refuse_a_cast_model()
-        self._agree(fragment, merge_at)
+        self.membership.agree(fragment, merge_at)
         indices = self.outer.members(fragment)
         params = self.params
         deltas = self.outer.outer_gradients(params, indices)
@@ -495,7 +569,7 @@ class LocalUpdateLoop(ScheduledSyncs):
                     "that, and every synchronisation would round the model back to it. Cast or move the model before "
                     "local_updates() (or close() the handle and call local_updates() again)")
 
-    def _agree(self, fragment: int, merge_at: int) -> None:
+    def agree_on_schedule(self, fragment: int, merge_at: int) -> None:
         """Before any payload moves, check that every rank of the exchange starts the same synchronisation
         (one all-gather of a few integers per rank: the inner step, or the window under ``window_seconds``, the
         fragment, the elements it exchanges, then the figures of :mod:`~lightning_gradcomp.local.windows`: the
@@ -573,14 +647,30 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     @torch.no_grad()
     def _merge(self, pending: PendingSync) -> None:
-        """Wait for the exchange, average the fragment's buffers, step its global parameters, merge them."""
-        for future in pending.futures:
-            future.wait()  # raises the exchange's CollectiveError
+        """Wait for the exchange, average the fragment's buffers, step its global parameters, merge them (or,
+        when the membership does not commit it, roll the fragment back)."""
+        self.membership.settle(pending)
+        if not self.membership.commit(pending):
+            self._roll_back(pending)
+            return
         self.pending.remove(pending)
         self._average_buffers(pending.fragment)
         indices = self.outer.members(pending.fragment)
         applied = self.outer.apply(pending.averaged, indices, self.layout.sum_over_shards)
         self.outer.merge(self.params, indices, self.outer.alpha if applied else 0.0)
+        self.synced = True
+
+    @torch.no_grad()
+    def _roll_back(self, pending: PendingSync) -> None:
+        """Drop ``pending``: its fragment restarts from its unchanged global parameters and buffers, and the
+        residuals of its parameters (whose last update may hold the dropped window) from zero."""
+        self.pending.remove(pending)
+        self.outer.merge(self.params, self.outer.members(pending.fragment), 0.0)
+        self.global_buffers.copy_into([buffer for _, buffer in self.buffers], pending.fragment)
+        for index in self.outer.members(pending.fragment):
+            residual = self.exchange.memory.residuals.get(self.names[index])
+            if residual is not None:
+                residual.zero_()  # in place: it may be a view of its bucket's flat residual
         self.synced = True
 
     def _average_buffers(self, fragment: int) -> None:
@@ -608,6 +698,8 @@ class LocalUpdateLoop(ScheduledSyncs):
         window), its inner optimizers' states, the outer state (the same on every rank) and the
         synchronisations started but not merged (their averages; waits for them). Inside
         :meth:`global_weights` too, it holds the replica."""
+        for pending in self.pending:
+            self.membership.settle(pending)
         with self._replica_shown():
             return {**local_state(self.names, self.params, self.buffers, optimizers, self.outer,
                                   self.layout.optimizer_state),
@@ -615,6 +707,8 @@ class LocalUpdateLoop(ScheduledSyncs):
                     "global_buffers": self.global_buffers.state_dict(), "counts": self.clock.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], optimizers: Sequence[Optimizer] = ()) -> None:
+        if not self.membership.accepts_checkpoint():
+            return
         self._adopt_saved_fragments(state.get("outer"))
         with self._replica_shown():
             load_local_state(state, self.names, self.params, self.buffers, optimizers, self.outer,
@@ -628,6 +722,10 @@ class LocalUpdateLoop(ScheduledSyncs):
         """Wait for the exchanges in flight and count their figures (at the end of training; they are merged
         if training goes on)."""
         self.exchange.flush()
+
+    def shutdown(self) -> None:
+        """Leave the run (under fault tolerance: the quorum; the other groups go on)."""
+        self.membership.shutdown()
 
 
 def sync_buckets(entries: list[Entry], cap: int = SYNC_BUCKET_BYTES) -> list[list[Entry]]:

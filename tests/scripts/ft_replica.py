@@ -77,7 +77,7 @@ def main() -> None:
 
         loop.membership.quorum = quorum_then_die
     if args.disagree_in_sync is not None:  # every participant's check fails: all roll that synchronisation back
-        agree, disagreed = loop._agree, []
+        agree, disagreed = loop.membership.agree, []
 
         def agree_or_not(fragment: int, merge_at: int) -> None:
             if loop.outer.syncs + 1 == args.disagree_in_sync and not disagreed:
@@ -85,7 +85,7 @@ def main() -> None:
                 fragment += 1
             agree(fragment, merge_at)
 
-        loop._agree = agree_or_not
+        loop.membership.agree = agree_or_not
     result: dict = {"losses": [], "global": {}, "first_step": loop.outer.optimizer_steps}
 
     def keep_global() -> None:
