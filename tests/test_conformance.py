@@ -194,3 +194,21 @@ def test_real_driver_equals_simulated_driver_for_every_compressor() -> None:
     from tests._gloo_workers import check_real_equals_simulated
 
     run_gloo(check_real_equals_simulated, 2, NAMES)
+
+
+#: bit-packing compressors at every code width they take: the payload of each tensor must survive the
+#: compression of the bucket's next tensors (8-bit codes are their own packing, and must not alias memory
+#: the compressor reuses)
+CODE_WIDTHS = [("qsgd", {"bits": bits}) for bits in range(2, 11)] + \
+              [("sparseloco", {"bits": bits}) for bits in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("name, settings", CODE_WIDTHS, ids=[f"{n}-{s}" for n, s in CODE_WIDTHS])
+def test_the_aggregate_matches_the_oracle_at_every_code_width(name: str, settings: dict) -> None:
+    exchange = SimulatedExchange(COMPRESSORS[name](**settings), 2, min_compress_numel=100)
+    for step in range(2):
+        named = [grads(worker, step) for worker in range(2)]
+        expected = expected_aggregate(exchange, named, SHAPES)
+        for worker in range(2):
+            exchange.add_worker(worker, named[worker])
+        _assert_matches_oracle(name, exchange.finish_step(), expected, f"step {step}, {settings}")

@@ -35,16 +35,19 @@ def packed_nbytes(numel: int, bits: int) -> int:
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack a 1-D tensor of non-negative integers ``< 2**bits`` into a uint8 tensor."""
+    """Pack a 1-D tensor of non-negative integers ``< 2**bits`` into a new uint8 tensor (never the memory of
+    ``codes``, which callers reuse: 8-bit codes are their own packing, and are copied)."""
     if not 1 <= bits <= MAX_BITS:
         raise ValueError(f"`bits` must be in [1, {MAX_BITS}], got {bits}")
     narrow = bits <= 8
+    given = codes
     codes = codes.reshape(-1).to(torch.uint8 if narrow else torch.int64)
     padding = (-codes.numel()) % 8
     if padding:
         codes = torch.cat([codes, codes.new_zeros(padding)])
     if narrow:
-        return _pack_words(codes, bits)
+        packed = _pack_words(codes, bits)
+        return packed.clone() if packed.data_ptr() == given.data_ptr() else packed
     return _pack_groups(codes.view(-1, 8), bits).reshape(-1)
 
 
