@@ -29,7 +29,9 @@ the compressors' generators) and the table reports the mean ± sample standard d
 the final test accuracy (fashion) or validation loss (text), with the bytes each worker handed to the
 collectives over training, the measured compression ratio against fp32 DDP at every optimizer step and
 average density, wall time, and the communication time estimated on a 10 Gbit/s parameter server
-(Harris 2020's setting). The plot shows the spread as error bars.
+(Harris 2020's setting). ``--plot PATH`` (needs matplotlib) draws each row's final score against the MB
+each worker sent (log scale), the spread over the seeds as error bars, one colour and marker per method,
+each point labelled with its setting, the uncompressed row's mean dashed.
 """
 
 from __future__ import annotations
@@ -212,6 +214,121 @@ def run(spec: Run, args: argparse.Namespace, seed: int) -> dict:
             "density": totals.density, "wall": wall, "comm": sum(comm)}
 
 
+#: the colours of the methods in ``--plot``, saturated and told apart on white (no grey: the baseline's)
+PALETTE = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan", "navy", "darkgoldenrod", "teal", "maroon", "darkolivegreen", "indigo"]
+#: the marker of each method in ``--plot`` (its colour: one per method, in the order of the table)
+MARKERS = {"none": "*", "topk": "o", "dgc": "s", "qsgd": "^", "threshold": "D", "powersgd": "P", "signsgd": "v",
+           "efsignsgd": "<", "terngrad": ">", "int8": "X", "int4": "x", "fp8": "h", "diloco": "o", "diloco int8": "X",
+           "sparseloco": "s", "streaming": "^", "demo": "D", "demo outer": "P"}
+
+
+def point_label(method: str, setting: str) -> str:
+    """A point's label: the method and the first part of its setting (``topk 50x``, ``diloco H=10``)."""
+    first = setting.split(",")[0].strip()
+    return method if first in ("-", "") else f"{method} {first}"
+
+
+#: where ``place_labels`` tries a label: directions (degrees) on rings of growing radius (points) around its point
+LABEL_DIRECTIONS = (20, -20, 160, -160, 60, -60, 120, -120, 0, 180, 90, -90)
+LABEL_RINGS = (7, 15, 25, 37, 52, 70, 90)
+
+
+def _marks(axis, points: list[tuple[float, float, float]]) -> list:
+    """The display boxes of the points' markers and error bars (x, y, the bar's half-height)."""
+    from matplotlib.transforms import Bbox
+
+    pixels = axis.transData.transform
+    boxes = []
+    for x, y, spread in points:
+        (px, py), (_, low), (_, high) = pixels((x, y)), pixels((x, y - spread)), pixels((x, y + spread))
+        boxes += [Bbox.from_extents(px - 6, py - 6, px + 6, py + 6), Bbox.from_extents(px - 3, low - 3, px + 3, high + 3)]
+    return boxes
+
+
+def _annotate(axis, label: str, point: tuple[float, float], offset: tuple[float, float], colour):
+    """``label`` at ``offset`` points from ``point``, aligned away from it (a leader line beyond the first ring)."""
+    dx, dy = offset
+    leader = math.hypot(dx, dy) > LABEL_RINGS[0] + 0.5
+    return axis.annotate(label, point, xytext=offset, textcoords="offset points", fontsize=7, color=colour,
+                         ha="left" if dx > 1 else "right" if dx < -1 else "center",
+                         va="bottom" if dy > 1 else "top" if dy < -1 else "center",
+                         arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.6, "alpha": 0.7} if leader else None)
+
+
+def place_labels(axis, points: list[tuple[float, float, float]], labels: list[str], colours: list) -> None:
+    """Label each point (x, y, its error bar's half-height) at the first spot, ring by ring around it, whose
+    text overlaps no label placed before, no marker and no error bar, inside the axes; where none is free, at
+    the first spot. Call once the layout is final (it draws the figure to read the positions)."""
+    from matplotlib.text import Text
+
+    axis.figure.canvas.draw()  # the axes' limits and the layout as they will be saved
+    renderer = axis.figure.canvas.get_renderer()
+    frame = axis.get_window_extent(renderer)
+    taken = _marks(axis, points)
+    offsets = [(radius * math.cos(math.radians(degrees)), radius * math.sin(math.radians(degrees)))
+               for radius in LABEL_RINGS for degrees in LABEL_DIRECTIONS]
+    for (x, y, _), label, colour in zip(points, labels, colours):
+        for offset in offsets:
+            text = _annotate(axis, label, (x, y), offset, colour)
+            text.update_positions(renderer)
+            box = Text.get_window_extent(text, renderer).expanded(1.06, 1.15)  # the text alone, not its leader
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(other) for other in taken):
+                taken.append(box)
+                break
+            text.remove()
+        else:
+            _annotate(axis, label, (x, y), offsets[0], colour)
+
+
+def plot(results: list[tuple[str, str, dict]], args: argparse.Namespace, measure: str, path: str) -> None:
+    """The final score (mean ± std over the seeds) of every row against the MB each worker sent (log x); a
+    colour and marker per method, each point labelled, the uncompressed row's mean as a reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    figure, axis = plt.subplots(figsize=(10.5, 6.5))
+    methods = list(dict.fromkeys(method for method, _, _ in results))
+    colour_of = {method: PALETTE[index % len(PALETTE)] for index, method in enumerate(m for m in methods if m != "none")}
+    colour_of["none"] = "black"
+    for _, _, result in (row for row in results if row[0] == "none"):
+        axis.axhline(result["score_mean"], color="0.6", linestyle="--", linewidth=1, zorder=0)
+    points, labels, colours = [], [], []
+    for method in methods:
+        rows = [(setting, result) for name, setting, result in results if name == method]
+        axis.errorbar([result["bytes"] / 1e6 for _, result in rows], [result["score_mean"] for _, result in rows],
+                      yerr=[result["score_std"] for _, result in rows], marker=MARKERS.get(method, "o"),
+                      markersize=9 if method == "none" else 6, color=colour_of[method], capsize=3, linestyle="none",
+                      label=method if method != "none" else "none (fp32, uncompressed; dashed: its mean)")
+        for setting, result in rows:
+            points.append((result["bytes"] / 1e6, result["score_mean"], result["score_std"]))
+            labels.append(point_label(method, setting))
+            colours.append(colour_of[method])
+    axis.set_xscale("log")
+    axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_xlabel("MB sent per worker over the whole run (log scale)")
+    axis.set_ylabel(f"final {measure}, mean ± std over seeds")
+    axis.grid(True, which="major", alpha=0.3)
+    axis.margins(x=0.08, y=0.08)
+    if args.task == "text":
+        task = f"byte-level transformer, {args.steps} steps"
+    else:
+        task = f"Fashion-MNIST MLP ({PARAMS / 1e3:.0f}k params), {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
+    seeds = f"{len(args.seeds)} seed{'s' if len(args.seeds) != 1 else ''} ({', '.join(map(str, args.seeds))})"
+    axis.set_title(f"{task}, {args.workers} simulated workers, suite {args.suite}\n"
+                   f"final score: mean ± std over {seeds}", fontsize=10)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, title="method",
+                title_fontsize=8)
+    figure.tight_layout()
+    place_labels(axis, points, labels, colours)
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=["fashion", "text"], default="fashion")
@@ -260,26 +377,7 @@ def main() -> None:
     print_table(["method", "setting", f"{measure}, mean ± std over {len(args.seeds)} seeds", "MB sent / worker",
                  "ratio", "avg density", "wall (s)", "wall / none", "comm est (s)"], rows)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5.5))
-        markers = {"none": "*", "topk": "o", "dgc": "s", "qsgd": "^", "threshold": "D", "powersgd": "P",
-                   "signsgd": "v", "efsignsgd": "<", "terngrad": ">", "int8": "X", "int4": "x", "fp8": "h"}
-        colours = plt.get_cmap("tab20").colors
-        for index, (method, setting, result) in enumerate(results):
-            ax.errorbar(result["bytes"] / 1e6, result["score_mean"], yerr=result["score_std"], label=f"{method} {setting}",
-                        marker=markers.get(method, "o"), color=colours[index % len(colours)], markersize=6,
-                        capsize=3, linestyle="none")
-        ax.set_xscale("log")
-        ax.set_xlabel("MB sent per worker (log)")
-        ax.set_ylabel(f"{measure}, mean ± std of {len(args.seeds)} seeds")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+        plot(results, args, measure, args.plot)
 
 
 if __name__ == "__main__":

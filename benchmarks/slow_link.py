@@ -4,6 +4,7 @@
     sudo python benchmarks/slow_link.py --rate 100mbit --model resnet18  # ResNet-18, CIFAR-sized input
     sudo python benchmarks/slow_link.py --rate 1gbit
     python benchmarks/slow_link.py --no-netns                             # plain loopback, for comparison
+    sudo python benchmarks/slow_link.py --rates 10mbit 100mbit 1gbit --plot step_time_vs_bandwidth.png
 
 Both processes run inside a private network namespace whose loopback is shaped by ``tc tbf`` (see the
 README's benchmark section), talk gloo over 127.0.0.1 with one CPU thread each, and train the same model
@@ -14,11 +15,12 @@ session, so a method that crashes is reported as such and the others still run: 
 PyTorch's ``bf16_compress_hook`` (the honest baseline), ``fp16_compress_hook``, PyTorch's
 ``powerSGD_hook`` (rank 2), gradcomp's PowerSGD (rank 2), Top-k and DGC at density 0.001, hard
 threshold, QSGD, the int8 quantised all-reduce, DeMo (32 of every 64 x 64 DCT tile of its momentum), and
-``noop_hook``, the bound where communication costs
-nothing. Printed: the median step time over ``--steps`` steps after warm-up, and the ratios to plain
-DDP, to bf16 DDP, to the bound and to PyTorch's PowerSGD. With ``--rounds R`` every method
-runs R times in turn and its steps are pooled, so that a slow spell of the machine (a shared VM's
-steal time) does not fall on one method alone.
+``noop_hook``, the bound where communication costs nothing. Printed: the median step time over
+``--steps`` steps after warm-up, and the ratios to plain DDP, to bf16 DDP, to the bound and to PyTorch's
+PowerSGD. ``--rates`` runs every method at each rate in turn (the namespace's ``tbf`` reshaped in
+between; a table per rate), and ``--plot PATH`` draws the median step time against the bandwidth, one
+line per method (needs matplotlib). With ``--rounds R`` every method runs R times in turn and its steps
+are pooled, so that a slow spell of the machine (a shared VM's steal time) does not fall on one method alone.
 
 ``--local`` prints the local-updates table instead: DDP fp32 and bf16, the noop bound, ``alone`` (the bare
 model with no DDP and no communication, the bound of local updates), per-step Top-k 0.1%, and DiLoCo
@@ -234,31 +236,23 @@ def run_method(method: str, args: argparse.Namespace, prefix: list[str]) -> tupl
     return result, ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--no-netns", action="store_true", help="plain loopback, no shaping")
-    parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every method in turn this many times and pool the steps (evens out drift)")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + VARIANTS + LOCAL_METHODS + ["alone"])
-    parser.add_argument("--local", action="store_true",
-                        help=f"the local-updates table: {', '.join(LOCAL_TABLE)} (overrides --methods)")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/gradcomp_slow_link.json", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker is not None:
-        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out)
-        return
-    prefix: list[str] = []
-    if not args.no_netns:
-        ensure_netns(args.rate)
-        prefix = ["ip", "netns", "exec", NETNS]
-    methods = list(dict.fromkeys(LOCAL_TABLE if args.local else args.methods))
+RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+              "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+def rate_bits_per_second(rate: str) -> float:
+    """A ``tc`` rate (``100mbit``, ``1gbit``, ``500kbps``: bytes; a bare number: bits) in bits per second."""
+    text = rate.strip().lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):] or "bit"
+    if unit not in RATE_UNITS or not digits:
+        raise ValueError(f"not a tc rate: {rate!r} (e.g. 100mbit, 1gbit)")
+    return float(digits) * RATE_UNITS[unit]
+
+
+def measure(methods: list[str], args: argparse.Namespace, prefix: list[str], label: str) -> tuple[dict, dict]:
+    """Every method ``--rounds`` times in turn on the link set up for ``prefix``: the median step time (s) of
+    each method that ran, and why each of the others failed."""
     steps: dict[str, list[float]] = {method: [] for method in methods}
     failures: dict[str, str] = {}
     for round_index in range(args.rounds):
@@ -271,14 +265,18 @@ def main() -> None:
             else:
                 failures[method] = failure
             shown = f"{statistics.median(times) * 1e3:.1f} ms" if times else failure
-            print(f"round {round_index + 1}, {method}: {shown}", file=sys.stderr, flush=True)
+            print(f"{label}, round {round_index + 1}, {method}: {shown}", file=sys.stderr, flush=True)
     medians = {method: statistics.median(times) for method, times in steps.items() if times and method not in failures}
-    link = "loopback (unshaped)" if args.no_netns else f"{args.rate} (tc tbf in netns {NETNS})"
+    return medians, failures
+
+
+def print_rate_table(methods: list[str], medians: dict, failures: dict, link: str, args: argparse.Namespace) -> None:
+    """The Markdown table of one link: step times and the ratios to DDP, DDP bf16, the bound and PowerSGD."""
+    from _timing import print_table
+
     print(f"# 2 processes, gloo, 1 thread each, {link}; {MODELS[args.model]}; DDP's default buckets; "
           f"median of {args.steps} steps after {args.warmup} warm-up" +
           (f", pooled over {args.rounds} rounds that run every method in turn" if args.rounds > 1 else ""))
-    from _timing import print_table
-
     powersgd_reference = "torch_powersgd" if "torch_powersgd" in medians else "torch_powersgd_1b"
 
     def ratio(method: str, reference: str, inverse: bool = False) -> str:
@@ -308,6 +306,114 @@ def main() -> None:
         print("time / alone (no DDP, no communication): " + ", ".join(
             f"{method} {ratio(method, 'alone')}" for method in methods
             if method in LOCAL_METHODS and method in medians))
+
+
+#: how each method is drawn in ``--plot``: the baselines in grey and black, the bound dotted
+LABELS = {"ddp": "DDP fp32", "bf16": "DDP bf16 hook", "fp16": "DDP fp16 hook", "noop": "noop_hook (bound)",
+          "alone": "alone (no DDP, bound)", "torch_powersgd": "PyTorch powerSGD_hook",
+          "torch_powersgd_1b": "PyTorch powerSGD_hook, 1 bucket"}
+BASELINE_STYLES = {"ddp": {"color": "black", "linestyle": "-", "marker": "o"},
+                   "bf16": {"color": "0.45", "linestyle": "--", "marker": "s"},
+                   "fp16": {"color": "0.65", "linestyle": "--", "marker": "D"},
+                   "noop": {"color": "black", "linestyle": ":", "marker": "x"},
+                   "alone": {"color": "0.3", "linestyle": ":", "marker": "+"}}
+
+
+def _bandwidth_label(mbits: float) -> str:
+    """``20 Mbit/s``, ``1 Gbit/s``."""
+    return f"{mbits / 1e3:g} Gbit/s" if mbits >= 1e3 else f"{mbits:g} Mbit/s"
+
+
+def plot(results: dict[str, dict[str, float]], methods: list[str], args: argparse.Namespace, path: str) -> None:
+    """Median step time (ms, log) against the link's bandwidth (Mbit/s, log), one line per method;
+    ``results`` maps each rate to its methods' median step times in seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rates = sorted(results, key=rate_bits_per_second)
+    mbits = [rate_bits_per_second(rate) / 1e6 for rate in rates]
+    figure, axis = plt.subplots(figsize=(9.5, 5.5))
+    palette = [colour for index, colour in enumerate(plt.get_cmap("tab10").colors) if index != 7]  # 7: grey
+    colours = iter(palette * 3)
+    markers = iter("v^<>PX*hpd" * 3)
+    for method in methods:
+        points = [(x, results[rate][method] * 1e3) for x, rate in zip(mbits, rates) if method in results[rate]]
+        if not points:
+            continue
+        style = BASELINE_STYLES.get(method) or {"color": next(colours), "linestyle": "-", "marker": next(markers)}
+        axis.plot([x for x, _ in points], [ms for _, ms in points], label=LABELS.get(method, f"gradcomp {method}"),
+                  linewidth=2.2 if method in BASELINE_STYLES else 1.4, markersize=6, **style)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xticks(mbits, [_bandwidth_label(x) for x in mbits])
+    axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axis.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axis.set_xlabel("link bandwidth (tc tbf on the loopback; log)")
+    axis.set_ylabel("median step time (ms, log)")
+    rounds = f", {args.rounds} rounds pooled" if args.rounds > 1 else ""
+    axis.set_title(f"2 gloo processes, 1 CPU thread each: {MODELS[args.model]}\n"
+                   f"median of {args.steps} steps after {args.warmup} warm-up{rounds}", fontsize=10)
+    axis.grid(True, which="major", alpha=0.3)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="100mbit", help="the link's rate (tc units: 100mbit, 1gbit)")
+    parser.add_argument("--rates", nargs="+", default=None,
+                        help="several rates, one after the other in one invocation (overrides --rate): a table each")
+    parser.add_argument("--no-netns", action="store_true", help="plain loopback, no shaping")
+    parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method in turn this many times and pool the steps (evens out drift)")
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + VARIANTS + LOCAL_METHODS + ["alone"])
+    parser.add_argument("--local", action="store_true",
+                        help=f"the local-updates table: {', '.join(LOCAL_TABLE)} (overrides --methods)")
+    parser.add_argument("--plot", default=None,
+                        help="write the median step time against the bandwidth of every rate to this PNG (matplotlib)")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="/tmp/gradcomp_slow_link.json", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.port, args.steps, args.warmup, args.methods[0], args.model, args.out)
+        return
+    rates = args.rates or [args.rate]
+    if args.plot and args.no_netns:
+        parser.error("--plot draws against the shaped rates: it needs the network namespace (drop --no-netns)")
+    for rate in rates:
+        try:
+            rate_bits_per_second(rate)
+        except ValueError as err:
+            parser.error(str(err))
+    methods = list(dict.fromkeys(LOCAL_TABLE if args.local else args.methods))
+    results: dict[str, dict[str, float]] = {}
+    for index, rate in enumerate(rates):
+        prefix: list[str] = []
+        if not args.no_netns:
+            ensure_netns(rate)
+            prefix = ["ip", "netns", "exec", NETNS]
+        link = "loopback (unshaped)" if args.no_netns else f"{rate} (tc tbf in netns {NETNS})"
+        medians, failures = measure(methods, args, prefix, link)
+        results[rate] = medians
+        print("" if index == 0 else "\n", end="")
+        print_rate_table(methods, medians, failures, link, args)
+        sys.stdout.flush()
+        if args.no_netns:
+            break  # one unshaped table: the rates do not apply
+    if args.plot:
+        plot(results, methods, args, args.plot)
 
 
 if __name__ == "__main__":
