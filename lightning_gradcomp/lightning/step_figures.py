@@ -69,12 +69,11 @@ def outer_loop_metrics(loop: Any) -> dict[str, float]:
 
 
 def fault_tolerance_metrics(loop: Any) -> dict[str, float]:
-    """Under fault tolerance (a loop with a torchft ``membership``), the figures of its quorums:
+    """Under fault tolerance (a loop whose membership keeps figures: torchft's), the figures of its quorums:
     ``gradcomp/ft_participants`` (of the last), ``ft_commits``, ``ft_rollbacks``, ``ft_quorum_seconds``; else none."""
-    membership = getattr(loop, "membership", None)
-    if membership is None:
+    figures = getattr(getattr(loop, "membership", None), "figures", None)
+    if figures is None:
         return {}
-    figures = membership.figures
     return {"gradcomp/ft_participants": float(figures.participants[-1] if figures.participants else 0),
             "gradcomp/ft_commits": float(figures.commits), "gradcomp/ft_rollbacks": float(figures.rollbacks),
             "gradcomp/ft_quorum_seconds": figures.quorum_seconds}

@@ -407,6 +407,8 @@ class FixedMembership:
 
     #: the schedule position when this rank joined the run (0: at its start)
     joined_at_step = 0
+    #: what the membership did, for telemetry and the summary (torchft's quorums; ``None``: nothing to report)
+    figures: Any = None
 
     def attach(self, loop: "LocalUpdateLoop") -> None:
         """Called once, at the end of ``loop``'s construction."""
