@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -42,3 +42,15 @@ def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tu
 def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[list[dict], str]]:
     """Memoised real 2-process Fabric runs of ``fabric_digits.py``."""
     return _memoised_runs(tmp_path_factory.mktemp("fabric"), "fabric_digits.py")
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """Each test leaves the environment as it found it: a Trainer fitted in this process sets ``MASTER_PORT``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ... in ``os.environ``, which a later test's scripts (started with this
+    environment) would read as a launch of their own (and fail on a port in use)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -313,6 +313,9 @@ class TorchftMembership(FixedMembership):
         self.joined_running_job = False
 
     def attach(self, loop: LocalUpdateLoop) -> None:
+        if type(loop.layout) is WholeModel and dist.get_world_size() > 1:
+            raise ValueError("gradcomp: a replica group of several processes that each hold the whole model needs the "
+                             "RowBlocksOfModel layout (fault_tolerant_loop() picks it): build the loop with it")
         super().attach(loop)
         self.driver = ReconfigurableDriver()
         loop.exchange.use_driver(self.driver)
@@ -488,9 +491,10 @@ class TorchftMembership(FixedMembership):
         self._syncing = None
         return self._failed is None
 
-    def exchange_failed(self, error: CollectiveError) -> None:
-        """A group died during the exchange: this group votes no (the others, too, usually)."""
+    def exchange_failed(self, error: CollectiveError) -> bool:
+        """A group died during the exchange: this group votes no (the others, too, usually); absorbed."""
         self._fail(error)
+        return True
 
     def agree(self, fragment: int, merge_at: int) -> None:
         """Check that every participant exchanges the same thing now (one small all-gather): the fragment, the
@@ -534,9 +538,9 @@ class TorchftMembership(FixedMembership):
                 averaged.zero_()
 
     def commit(self, pending: PendingSync) -> bool:
-        """Share the group's averages inside it, vote; on a commit, scale the average to the participants'."""
+        """Vote (after the loop shared the group's averages inside it); on a commit, scale the average to the
+        participants'."""
         loop = self.loop
-        loop.layout.share(loop.outer.members(pending.fragment), pending.averaged)
         committed = self._vote()
         if committed and self._failed is None:
             # the engine averaged over the quorum's size; a group that healed into this synchronisation sent a

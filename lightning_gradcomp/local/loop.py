@@ -411,7 +411,9 @@ class FixedMembership:
     figures: Any = None
 
     def attach(self, loop: "LocalUpdateLoop") -> None:
-        """Called once, at the end of ``loop``'s construction."""
+        """Called once, at the end of ``loop``'s construction (a membership serves one loop)."""
+        if getattr(self, "loop", loop) is not loop:
+            raise ValueError("gradcomp: a membership serves one local-update loop; make one per loop")
         self.loop = loop
 
     def begin(self, fragment: int, merge_at: int) -> bool:
@@ -422,9 +424,9 @@ class FixedMembership:
         """The synchronisation's first collective: check that every participant starts the same one."""
         self.loop.agree_on_schedule(fragment, merge_at)
 
-    def exchange_failed(self, error: CollectiveError) -> None:
-        """An exchange failed (a dead peer): raised."""
-        raise error
+    def exchange_failed(self, error: CollectiveError) -> bool:
+        """An exchange failed (a dead peer): whether the membership absorbs the failure (False: it is raised)."""
+        return False
 
     def settle(self, pending: PendingSync) -> None:
         """Wait for ``pending``'s exchange in flight (its error raised)."""
@@ -516,6 +518,7 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     @property
     def steps_taken_here(self) -> int:
+        """The inner steps since this rank joined the run (all of them, unless it joined a running job)."""
         return self.outer.optimizer_steps - self.membership.joined_at_step
 
     @torch.no_grad()
@@ -526,7 +529,8 @@ class LocalUpdateLoop(ScheduledSyncs):
             try:
                 return self._exchange_fragment(fragment, merge_at)
             except CollectiveError as error:
-                self.membership.exchange_failed(error)
+                if not self.membership.exchange_failed(error):
+                    raise
         return self._nothing_to_apply(fragment, merge_at)
 
     def _nothing_to_apply(self, fragment: int, merge_at: int) -> PendingSync:
@@ -618,7 +622,7 @@ class LocalUpdateLoop(ScheduledSyncs):
                 "gradcomp: the groups' outer gradients are weighted by their samples, but SparseLoCo(aggregate="
                 "'chosen') averages each coordinate over the workers that chose it, which undoes part of the "
                 "weights: the merge is weighted only approximately. SparseLoCo(aggregate='all') merges them exactly "
-                "(or weight_by=None: equal weights)", UserWarning, stacklevel=4)
+                "(or weight_by=None: equal weights)", UserWarning, stacklevel=5)
 
     #: whether the warning that SparseLoCo's 'chosen' aggregate weights only approximately was given
     _warned_inexact = False
@@ -652,6 +656,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         """Wait for the exchange, average the fragment's buffers, step its global parameters, merge them (or,
         when the membership does not commit it, roll the fragment back)."""
         self.membership.settle(pending)
+        self.layout.share(self.outer.members(pending.fragment), pending.averaged)
         if not self.membership.commit(pending):
             self._roll_back(pending)
             return

@@ -234,7 +234,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         """Every worker's outer gradient of ``fragment`` through the engine, now; merged at ``merge_at``."""
         self._keep()
         indices = self.outer.members(fragment)
-        # the real ranks' agreement on this synchronisation (LocalUpdateLoop._agree), counted alike
+        # the real ranks' agreement on this synchronisation (LocalUpdateLoop.agree_on_schedule), counted alike
         elements = sum(self.params[i].numel() for i in indices)
         units = self._units[fragment]
         groups = [GroupFigures(0, self._ending, count, 0.0, UNBOUNDED) for count in units]

@@ -18,7 +18,7 @@ synchronisation, ``F`` the fragments and ``τ`` the ``delay``. Each rank multipl
 so a lock-step run is unchanged bit for bit.
 
 The figures travel in the all-gather with which every synchronisation already checks the schedule
-(:meth:`~lightning_gradcomp.local.loop.LocalUpdateLoop._agree`): one row per rank, the same plan computed on
+(:meth:`~lightning_gradcomp.local.loop.LocalUpdateLoop.agree_on_schedule`): one row per rank, the same plan computed on
 every rank. The ranks of a group (an FSDP2 replica's shards, the processes of a fault-tolerant group) sum their
 counts and average their step times first, so that they take the same number of steps.
 
