@@ -1,19 +1,20 @@
 """The documentation's Python code blocks as tests: README.md and every page of docs/ (Sybil collects them,
 `conftest.py` at the repository root; `python -m pytest -q README.md docs` runs only them).
 
-A ```` ```python ```` block runs in one of three ways, chosen by an HTML comment on the line before it (invisible
+A ```` ```python ```` block runs in one of four ways, chosen by an HTML comment on the line before it (invisible
 on GitHub and on the site):
 
 - no comment: it **runs as it is**, in this process, after the page's earlier blocks, in one namespace per page
   (so a page can build a model in one block and train it in the next), in a fresh temporary directory. The
   page's namespace starts with the names of :func:`page_namespace` (a small model, its optimizer and batches,
   ``rank = 0``, ...), the names a snippet in a guide takes for granted;
-- ``<!-- docs: processes N -->``: the block is a **complete script**, run as ``torchrun --nproc-per-node N``
-  would run it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set; each process
-  forked from the suite's fork server, :func:`tests._processes.run_job`); every rank must exit with 0; its
+- ``<!-- docs: processes N -->``: the block is a **complete script**, run by a real ``torchrun
+  --nproc-per-node N`` (:func:`tests._processes.run_torchrun`: fresh interpreters, nothing imported
+  beforehand, as a user's run: a script that forgets an import fails here too); it must succeed; its
   imports, functions and classes are then defined for the page's later blocks;
 - ``<!-- docs: torchft-groups N -->``: the block is the script of a fault-tolerant replica group, run as N
-  groups of one process joined by a torchft lighthouse started for it (:func:`run_as_torchft_groups`);
+  groups of one process (fresh interpreters) joined by a torchft lighthouse started for it
+  (:func:`run_as_torchft_groups`);
 - ``<!-- docs: cluster-only -->``: the block needs what this machine lacks (GPUs, several nodes, a lighthouse
   elsewhere). It is compiled, its imports are run, every name it reads must be bound by the block itself, by
   the page's namespace or by Python, every ``module.attribute`` chain from an imported module must resolve, and
@@ -33,7 +34,9 @@ import functools
 import inspect
 import os
 import re
+import subprocess
 import symtable
+import sys
 import tempfile
 import textwrap
 import types
@@ -48,6 +51,9 @@ COUNTS: collections.Counter = collections.Counter()
 
 _DIRECTIVE = re.compile(r"<!--\s*docs:\s*(?P<kind>processes|torchft-groups|cluster-only)\s*(?P<argument>\d*)\s*-->\s*$")
 _SCRIPT_TIMEOUT = 240.0
+#: a strategy given by its registered name, which only ``import lightning_gradcomp`` registers
+_NAMED_STRATEGY = re.compile(r"""strategy\s*=\s*["']gradcomp""")
+_IMPORTS_THE_PACKAGE = re.compile(r"^\s*(?:import lightning_gradcomp\b|from lightning_gradcomp\b)", re.M)
 
 
 def page_namespace() -> dict[str, Any]:
@@ -99,10 +105,22 @@ def page_namespace() -> dict[str, Any]:
     }
 
 
-# ---- the three ways a block runs ------------------------------------------------------------------------------
+# ---- the four ways a block runs -------------------------------------------------------------------------------
+
+def check_registration(example: Example) -> None:
+    """A block that names a strategy (``strategy="gradcomp"``) needs ``import lightning_gradcomp`` in it or in an
+    earlier block of its page: this process has the package imported already (and the page's namespace holds
+    it), so only this check catches a snippet that would fail as a reader copies it."""
+    if _IMPORTS_THE_PACKAGE.search(example.parsed):
+        example.namespace["_docs_package_imported"] = True
+    assert not _NAMED_STRATEGY.search(example.parsed) or example.namespace.get("_docs_package_imported"), (
+        f'{_where(example)}: names a "gradcomp" strategy, but neither it nor an earlier block of the page runs '
+        "`import lightning_gradcomp`, which registers the strategies")
+
 
 def run_in_page(example: Example) -> None:
     """Run the block in the page's namespace (see the module's docstring)."""
+    check_registration(example)
     code = compile(example.parsed, _where(example), "exec")
     exec(code, example.namespace)  # noqa: S102 - the documentation's own code
 
@@ -111,13 +129,16 @@ def run_as_processes(nprocs: int) -> Callable[[Example], None]:
     """Run the block as a complete script in ``nprocs`` processes, as ``torchrun`` would."""
 
     def evaluate(example: Example) -> None:
-        from tests._processes import run_job
+        from tests._processes import run_torchrun
 
         with tempfile.TemporaryDirectory(prefix="docs-block-") as folder:
-            script = Path(folder) / "block.py"
+            script = Path(folder) / "train.py"
             script.write_text(example.parsed)
-            codes, output = run_job(script, [], Path(folder), nprocs, timeout=_SCRIPT_TIMEOUT, torchrun_env=True)
-        assert codes == [0] * nprocs, f"{_where(example)}: exit codes {codes}\n{output[-4000:]}"
+            try:
+                run_torchrun(script, Path(folder), nproc=nprocs, timeout=_SCRIPT_TIMEOUT)
+            except AssertionError as failure:
+                raise AssertionError(f"{_where(example)} failed under torchrun:\n{failure}") from None
+        check_registration(example)  # (it ran on its own: what it imports counts for the page's later blocks)
         _define_in_page(example)
 
     return evaluate
@@ -140,18 +161,19 @@ def run_as_torchft_groups(groups: int) -> Callable[[Example], None]:
     def evaluate(example: Example) -> None:
         from torchft._torchft import LighthouseServer
 
-        from tests._processes import ScriptRun, free_port
+        from tests._processes import free_port
 
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1500)
         try:
             with tempfile.TemporaryDirectory(prefix="docs-block-") as folder:
                 script = Path(folder) / "train.py"
                 script.write_text(example.parsed)
-                runs = [ScriptRun(script, [], Path(folder), dict(
+                runs = [subprocess.Popen([sys.executable, str(script)], cwd=folder, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, env=dict(
                     os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", REPLICA_GROUP_ID=f"group{group}",
                     TORCHFT_LIGHTHOUSE=lighthouse.address(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
                     for group in range(groups)]
-                outcomes = [run.wait(_SCRIPT_TIMEOUT) for run in runs]
+                outcomes = [_finish(run) for run in runs]
         finally:
             lighthouse.shutdown()
         failed = [(group, output[-3000:]) for group, (code, output) in enumerate(outcomes) if code != 0]
@@ -160,8 +182,19 @@ def run_as_torchft_groups(groups: int) -> Callable[[Example], None]:
     return evaluate
 
 
+def _finish(run: subprocess.Popen) -> tuple[int, str]:
+    """A process's exit code and output, killed after :data:`_SCRIPT_TIMEOUT` seconds."""
+    try:
+        output, _ = run.communicate(timeout=_SCRIPT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        output, _ = run.communicate()
+    return run.returncode, output
+
+
 def check_cluster_only(example: Example) -> None:
     """Compile the block, run its imports and resolve its names, attributes and keywords (no training)."""
+    check_registration(example)
     source = example.parsed
     where = _where(example)
     tree = ast.parse(source, where)

@@ -177,20 +177,13 @@ def run_script(script: "Path | str", args: list[str], cwd: Path, env: dict[str, 
     return ScriptRun(script, args, cwd, env).wait(timeout)
 
 
-def run_job(script: "Path | str", args: list[str], cwd: Path, world: int, timeout: float = 240,
-            torchrun_env: bool = False) -> tuple[list[int], str]:
+def run_job(script: "Path | str", args: list[str], cwd: Path, world: int, timeout: float = 240) -> tuple[list[int], str]:
     """Run ``script`` as ``world`` processes of one job, each forked from the fork server with ``LOCAL_RANK``
     0..world-1 and one ``MASTER_PORT`` (as a launcher starts them: Lightning and Fabric then start no processes
-    of their own); every rank's exit code and their combined output. A rank that fails ends the others.
-    ``torchrun_env``: the whole environment ``torchrun --nproc-per-node world`` gives its workers (``RANK``,
-    ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ...), for scripts that call ``init_process_group()`` themselves."""
+    of their own); every rank's exit code and their combined output. A rank that fails ends the others."""
     port = free_port()
     base = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0")
-    if torchrun_env:
-        base.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", TORCHELASTIC_RUN_ID="docs")
-    runs = [ScriptRun(script, list(args), cwd, dict(base, LOCAL_RANK=str(rank),
-                                                     **({"RANK": str(rank)} if torchrun_env else {})))
-            for rank in range(world)]
+    runs = [ScriptRun(script, list(args), cwd, dict(base, LOCAL_RANK=str(rank))) for rank in range(world)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [run.process.exitcode for run in runs]
