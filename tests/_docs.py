@@ -20,15 +20,12 @@ on GitHub and on the site):
   the page's namespace or by Python, every ``module.attribute`` chain from an imported module must resolve, and
   every keyword it passes to a class or function of this package must be one that signature accepts.
 
-:data:`COUNTS` counts the blocks of each kind as they are collected (the note of the documentation issue
-reports them).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
-import collections
 import contextlib
 import functools
 import inspect
@@ -45,9 +42,6 @@ from typing import Any, Callable, Iterable, Optional
 
 from sybil import Document, Example, Region
 from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
-
-#: how many blocks of each kind were collected (``runs``, ``processes``, ``cluster-only``)
-COUNTS: collections.Counter = collections.Counter()
 
 _DIRECTIVE = re.compile(r"<!--\s*docs:\s*(?P<kind>processes|torchft-groups|cluster-only)\s*(?P<argument>\d*)\s*-->\s*$")
 _SCRIPT_TIMEOUT = 240.0
@@ -300,16 +294,12 @@ def parse_python_blocks(document: Document) -> Iterable[Region]:
         match = _DIRECTIVE.search(before)
         source = textwrap.dedent(region.lexemes["source"])
         if match is None:
-            COUNTS["runs"] += 1
             evaluator: Callable[[Example], None] = run_in_page
         elif match["kind"] == "processes":
-            COUNTS["processes"] += 1
             evaluator = run_as_processes(int(match["argument"] or 2))
         elif match["kind"] == "torchft-groups":
-            COUNTS["processes"] += 1
             evaluator = run_as_torchft_groups(int(match["argument"] or 2))
         else:
-            COUNTS["cluster-only"] += 1
             evaluator = check_cluster_only
         yield Region(region.start, region.end, parsed=source, evaluator=evaluator)
 
