@@ -176,7 +176,7 @@ def test_a_time_boxed_simulation_resumes_exactly() -> None:
 
 
 # ---------------------------------------------------------------------- real processes
-@pytest.mark.parametrize("compressor", ["none", "int8"])
+@pytest.mark.parametrize("compressor", ["none", "int8", "demo"])
 def test_reported_samples_weight_the_merge_in_real_processes(compressor: str) -> None:
     run_gloo(_window_workers.weighted_merge, 2, [8, 24], compressor)
 

@@ -57,15 +57,25 @@ from lightning_gradcomp.core.tensors import (  # noqa: F401
 COMPRESSORS: dict[str, type["Compressor"]] = {}
 
 #: The optional capabilities a compressor class declares in :attr:`Compressor.capabilities`, each with the
-#: methods that provide it (a class that overrides one of them must declare it, and one that declares it must
-#: override one: checked when the class is defined). ``reads_flat_only`` is a promise, with no method: its
+#: methods that provide it (a class that defines one of them must declare it, and one that declares it must
+#: implement one: checked when the class is defined). ``whole_bucket``: its :meth:`~Compressor.exchange_segments`
+#: gives the results of its own per-tensor methods for a whole bucket at once (the engine takes that path on
+#: accelerators, where :meth:`~Compressor.segment_alignment` says how). ``dense_segments`` and ``finalize_dense``:
+#: the steps for the tensors sent dense. ``reads_flat_only`` is a promise, with no method: its
 #: :meth:`~Compressor.exchange_segments` only reads the bucket's flat input (a lone gradient is then handed
 #: over as it is, without a copy).
 CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "whole_bucket": ("exchange_segments",),
     "dense_segments": ("dense_segments",),
     "finalize_dense": ("finalize_dense", "finalize_dense_many"),
     "reads_flat_only": (),
 }
+
+#: The capabilities of the whole-bucket path, which a subclass does not inherit: its bucket-wise code reproduces
+#: its parent's per-tensor methods, so a subclass (a user's variant of a built-in) runs its own per-tensor
+#: methods unless it declares them again in its own body (``capabilities = Parent.capabilities``: a promise
+#: that the parent's bucket-wise code still gives its results).
+BUCKET_CAPABILITIES = frozenset({"whole_bucket", "dense_segments", "reads_flat_only"})
 
 
 @dataclass
@@ -179,10 +189,11 @@ class Compressor(ABC):
     #: What else than a NaN or Inf in the gradient makes this compressor's payload non-finite, for the
     #: non-finite warning of the DDP hook (FP16: a value beyond ±65504, which the cast turns into inf).
     nonfinite_hint: ClassVar[str] = ""
-    #: The optional capabilities this class provides (:data:`CAPABILITIES`): ``"dense_segments"`` (a bucket's
-    #: tensors sent dense are prepared in one flat buffer, :meth:`dense_segments`), ``"finalize_dense"`` (a
-    #: step after the dense average, :meth:`finalize_dense`), ``"reads_flat_only"``. Inherited; a subclass
-    #: adds to its parent's: ``capabilities = Parent.capabilities | {"dense_segments"}``.
+    #: The optional capabilities this class provides (:data:`CAPABILITIES`): ``"whole_bucket"`` (a whole
+    #: bucket at once, :meth:`exchange_segments`), ``"dense_segments"`` (a bucket's tensors sent dense are
+    #: prepared in one flat buffer, :meth:`dense_segments`), ``"finalize_dense"`` (a step after the dense
+    #: average, :meth:`finalize_dense`), ``"reads_flat_only"``. A subclass inherits ``"finalize_dense"``, not
+    #: the whole-bucket ones (:data:`BUCKET_CAPABILITIES`), unless its body declares them again.
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
     @property
@@ -192,6 +203,13 @@ class Compressor(ABC):
         so clipping it by norm (``Trainer(gradient_clip_val=...)``, ``clip_grad_norm_``) shrinks every step
         by about that factor and training stops; the Trainer strategies refuse it
         (:func:`~lightning_gradcomp.lightning.options.check_gradient_clipping`)."""
+        return False
+
+    @property
+    def averages_over_senders(self) -> bool:
+        """Whether each coordinate's aggregate is the mean over the workers that sent it, not over every worker
+        (SparseLoCo's ``aggregate="chosen"``, DeMo): outer gradients weighted before compression (local updates'
+        ``weight_by``) are then merged only approximately, and the local-update loop warns."""
         return False
 
     @property
@@ -210,6 +228,8 @@ class Compressor(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "capabilities" not in cls.__dict__:  # inherited: without the whole-bucket path (BUCKET_CAPABILITIES)
+            cls.capabilities = cls.capabilities - BUCKET_CAPABILITIES
         _check_capabilities(cls)
         if cls.__dict__.get("name"):  # its own name: a subclass that inherits one does not replace its parent
             COMPRESSORS[cls.name] = cls
@@ -355,10 +375,12 @@ class Compressor(ABC):
 
     # ------------------------------------------------------------------ a whole bucket at once
     def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The alignment (in elements) of the tensors' segments when this compressor compresses a whole
-        bucket at once (:meth:`exchange_segments`) on ``device``, or ``None`` (default) for one
-        protocol per tensor (:meth:`exchange`)."""
-        return None
+        """The alignment (in elements) of the tensors' segments when a compressor that declares
+        ``"whole_bucket"`` compresses a whole bucket at once (:meth:`exchange_segments`) on ``device``, or
+        ``None`` for one protocol per tensor there. Default: the bucket's flat buffer as it is (1) on
+        accelerators, per tensor on the CPU, where kernel launches cost nothing and the per-tensor methods may
+        read sizes on the host. Consulted only for a class that declares ``"whole_bucket"``."""
+        return None if host_reads_allowed(device) else 1
 
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
         """Whether a bucket of tensors of ``numels`` elements may take the bucket-wise path (default:
@@ -370,21 +392,8 @@ class Compressor(ABC):
         """What to all-reduce for a bucket's tensors sent dense, as one flat buffer laid out by
         ``segments`` (alignment 1), where :meth:`dense` does more than return the tensor (DGC's momentum,
         the casts): the same values as :meth:`dense` of every tensor, in a fixed number of operations.
-        ``None`` (default): :meth:`dense` per tensor. Used with :meth:`segment_alignment`."""
+        Used on the whole-bucket path, by a class that declares ``"dense_segments"``."""
         return None
-
-    def _whole_flat_buffer_on_accelerators(self, device: torch.device, owner: type) -> Optional[int]:
-        """The :meth:`segment_alignment` of a compressor that takes the bucket's flat buffer as it is
-        (alignment 1) on accelerators, where this object's per-tensor methods are ``owner``'s; ``None``
-        (per tensor) on the CPU, where kernel launches cost nothing, or for a subclass that overrides one."""
-        return None if host_reads_allowed(device) or not self._per_tensor_path_is(owner) else 1
-
-    def _per_tensor_path_is(self, owner: type) -> bool:
-        """Whether this object's per-tensor methods are ``owner``'s own: a subclass that overrides one of
-        them (a user's variant of a built-in) must not be bypassed by ``owner``'s bucket-wise path."""
-        methods = ("compress", "exchange", "accumulate", "finalize", "dense", "finalize_dense", "finalize_dense_many",
-                   "compression_error", "static_count", "part_dtypes", "payload_numels", "wire_format")
-        return all(getattr(type(self), method) is getattr(owner, method) for method in methods)
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
@@ -396,7 +405,7 @@ class Compressor(ABC):
         gradients); ``contexts[i]`` is tensor ``i``'s context. Unless :attr:`checks_finite`, every
         context's ``finite`` is set before the call; with it, this method sets them. Per-parameter state
         is read and committed through ``state`` (flat buffers), not ``ctx.state``. Only compressors
-        whose :meth:`segment_alignment` is not ``None`` implement it."""
+        that declare ``"whole_bucket"`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no exchange of a whole bucket")
 
     def payload_nbytes(self, numel: int, count: int, dtype: torch.dtype = torch.float32) -> int:
@@ -416,19 +425,21 @@ class Compressor(ABC):
 
 def _check_capabilities(cls: type[Compressor]) -> None:
     """A compressor class's :attr:`~Compressor.capabilities` match what it implements: unknown names, a
-    capability declared without its method, and a method overridden without its capability declared (the
-    engine would never call it) are a ``TypeError`` when the class is defined."""
+    capability declared without its method, and a method defined without its capability declared (the
+    engine would never call it) are a ``TypeError`` when the class is defined. A whole-bucket method that a
+    class inherits without declaring it again (:data:`BUCKET_CAPABILITIES`) is not called: that is allowed."""
     declared = cls.capabilities
     if not isinstance(declared, frozenset) or not declared <= set(CAPABILITIES):
         raise TypeError(f"{cls.__name__}.capabilities must be a frozenset of {sorted(CAPABILITIES)}, got {declared!r}")
     for capability, methods in CAPABILITIES.items():
-        overridden = [method for method in methods if getattr(cls, method) is not getattr(Compressor, method)]
-        if overridden and capability not in declared:
+        implemented = [method for method in methods if getattr(cls, method) is not getattr(Compressor, method)]
+        defined = [method for method in implemented if capability not in BUCKET_CAPABILITIES or method in cls.__dict__]
+        if defined and capability not in declared:
             wanted = ", ".join(repr(name) for name in sorted(declared | {capability}))
-            raise TypeError(f"{cls.__name__} overrides {overridden[0]} without declaring the capability "
+            raise TypeError(f"{cls.__name__} overrides {defined[0]} without declaring the capability "
                             f"{capability!r}, so the engine would never call it: set capabilities = "
                             f"frozenset({{{wanted}}}) in the class")
-        if methods and capability in declared and not overridden:
+        if methods and capability in declared and not implemented:
             raise TypeError(f"{cls.__name__} declares the capability {capability!r} without implementing "
                             f"{' or '.join(methods)}")
 

@@ -244,7 +244,7 @@ class DeMo(Compressor):
 
     name = "demo"
     #: the optional capabilities it provides (:data:`~lightning_gradcomp.compressors.base.CAPABILITIES`)
-    capabilities = frozenset({"dense_segments", "finalize_dense"})
+    capabilities = frozenset({"whole_bucket", "dense_segments", "finalize_dense"})
     owns_residual = True  # the momentum δ keeps what was not sent
 
     def __init__(self, chunk: int = 64, k: int = 32, decay: float = 0.999, sign: bool = True,
@@ -261,6 +261,10 @@ class DeMo(Compressor):
         self.value_dtype = value_dtype
         self._unbind()
         self._warned: set[str] = set()  # parameters whose tiles are too small to compress (warned once)
+
+    @property
+    def averages_over_senders(self) -> bool:
+        return True  # step 6: per coefficient, the mean over the workers that chose it
 
     def hparams(self) -> dict[str, Any]:
         return {"chunk": self.chunk, "k": self.k, "decay": self.decay, "sign": self.sign,
@@ -548,9 +552,6 @@ class DeMo(Compressor):
             torch._foreach_sign_(list(outs))
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def segment_alignment(self, device: torch.device) -> Optional[int]:
-        return self._whole_flat_buffer_on_accelerators(device, DeMo)
-
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
         return True  # any sizes: the plan of groups handles each tensor's shape
 

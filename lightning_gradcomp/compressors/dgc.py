@@ -66,7 +66,7 @@ class DGC(HasDensity, _ValuesAndIndices):
 
     name = "dgc"
     #: the optional capabilities it provides (:data:`~lightning_gradcomp.compressors.base.CAPABILITIES`)
-    capabilities = _ValuesAndIndices.capabilities | {"dense_segments"}
+    capabilities = frozenset({"whole_bucket", "dense_segments"})
     owns_residual = True  # the velocity v
 
     def __init__(
@@ -188,8 +188,7 @@ class DGC(HasDensity, _ValuesAndIndices):
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """Rows of 64 on accelerators (see :meth:`TopK.segment_alignment`), below density 1/4 (above it
         no row is pruned, and density 1's dense format is per tensor)."""
-        if not self._per_tensor_path_is(DGC) or self.selection == "exact" or host_reads_allowed(device) \
-                or self.density >= 0.25:
+        if self.selection == "exact" or host_reads_allowed(device) or self.density >= 0.25:
             return None
         return CONTIGUOUS_BLOCK
 

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import all_finite, CompressContext, Compressor, Payload, take_verdict
-from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import Mean, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
 from lightning_gradcomp.core.tensors import all_finite_many
@@ -33,21 +32,14 @@ class _DenseSegments(Compressor):
     it (:func:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline.segments_protocol`): for ``none`` on fp32
     gradients one copy (the engine's merge into the all-reduce), one division and one write of the bucket."""
 
-    #: the bucket-wise exchange never writes into ``flat`` (see the pipeline's ``_input_as_flat``)
-    capabilities = frozenset({"reads_flat_only"})
+    #: whole buckets on accelerators (one cast, one all-reduce, one write: a few kernels; the base's
+    #: :meth:`segment_alignment`), and the bucket-wise exchange never writes into ``flat`` (see the pipeline's
+    #: ``_input_as_flat``)
+    capabilities = frozenset({"whole_bucket", "reads_flat_only"})
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         """The dtype the bucket is sent in."""
         raise NotImplementedError
-
-    def _owner(self) -> type:
-        """The class whose per-tensor methods the bucket-wise path reproduces."""
-        raise NotImplementedError
-
-    def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """Whole buckets on accelerators (one cast, one all-reduce, one write: a few kernels); per tensor
-        on the CPU, where it costs nothing more."""
-        return None if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()) else 1
 
     def _check_sent(self, sent: Tensor, segments: Segments, contexts: Sequence[CompressContext]) -> None:
         """Set each context's ``finite`` from what is sent, where the compressor :attr:`checks_finite`
@@ -77,6 +69,7 @@ class NoCompression(_DenseSegments):
 
     name = "none"
     biased = False
+    capabilities = _DenseSegments.capabilities
 
     @property
     def all_reducible(self) -> bool:
@@ -96,9 +89,6 @@ class NoCompression(_DenseSegments):
 
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         return ctx.wire_dtype(flat)
-
-    def _owner(self) -> type:
-        return NoCompression
 
 
 class _Cast(_DenseSegments):
@@ -125,9 +115,6 @@ class _Cast(_DenseSegments):
     def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
         return self.wire_dtype
 
-    def _owner(self) -> type:
-        return _Cast
-
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0].to(out.dtype), alpha=alpha)
 
@@ -152,14 +139,12 @@ class FP16(_Cast):
     inf silently."""
 
     name = "fp16"
+    capabilities = _Cast.capabilities
     wire_dtype = torch.float16
     checks_finite = True
     nonfinite_hint = ("compressor 'fp16' casts the gradients to fp16, whose range is ±65504: a value beyond it "
                       "becomes inf in the cast and counts as non-finite. If the gradients are fp32 and that large, "
                       "use compressor 'bf16' (fp32's range in as many bytes), or scale the loss down")
-
-    def _owner(self) -> type:
-        return FP16
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         """The cast, and the finiteness of the cast (inf where the gradient exceeds ±65504)."""
@@ -197,4 +182,5 @@ class BF16(_Cast):
     """bfloat16 (8-bit exponent, 7-bit mantissa): 2x fewer bytes than fp32, fp32's range."""
 
     name = "bf16"
+    capabilities = _Cast.capabilities
     wire_dtype = torch.bfloat16

@@ -64,6 +64,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
+    capabilities = frozenset({"whole_bucket"})  # the bucket's flat buffer as it is (the base's segment_alignment)
     biased = True
 
     def __init__(self, rank: int = 2, start_step: int = 0, warm_start: bool = True,
@@ -144,9 +145,6 @@ class PowerSGD(Compressor):
         return Outcome((n + m) * r, subtract, write)
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def segment_alignment(self, device: torch.device) -> Optional[int]:
-        return self._whole_flat_buffer_on_accelerators(device, PowerSGD)
-
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
         return True  # any sizes: the plan of groups handles each tensor's shape
 

@@ -51,6 +51,7 @@ class QSGD(Compressor):
     """
 
     name = "qsgd"
+    capabilities = frozenset({"whole_bucket"})
     biased = False
 
     def __init__(self, levels: Optional[int] = None, bucket_size: int = 512, bits: Optional[int] = None) -> None:
@@ -134,15 +135,11 @@ class QSGD(Compressor):
         return torch.linalg.vector_norm(rows, dim=1)
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def _owner(self) -> type:
-        return QSGD
-
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """On accelerators, rows of ``bucket_size`` (one norm each) up to :data:`ROW_BUCKETS` elements, else
         rows of 64 with one scale per tensor; codes of at most 8 bits in fp32. Per tensor on the CPU, and
         for row sizes that are not a multiple of 8 (a tensor's codes are padded to whole bytes)."""
-        if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()) or self.bits > 8 \
-                or self._work_dtype != torch.float32:
+        if host_reads_allowed(device) or self.bits > 8 or self._work_dtype != torch.float32:
             return None
         if self.bucket_size > ROW_BUCKETS:
             return 64

@@ -63,6 +63,9 @@ OWNER_RESIDUAL = "owner_residual"
 class _QuantisedAllReduce(Compressor):
     """The two-round exchange; subclasses give the block codec (:meth:`_encode`, :meth:`_decode`)."""
 
+    #: the built-in codecs' bucket-wise exchange; declared again by each (a subclass's own codec: per tensor)
+    capabilities = frozenset({"whole_bucket"})
+
     #: Largest code magnitude: a block's values are scaled so that its peak maps to it.
     code_max: float = 127.0
     #: Codes in one byte of the bucket-wise format (2 for the 4-bit codecs).
@@ -169,9 +172,8 @@ class _QuantisedAllReduce(Compressor):
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """Whole blocks (alignment ``block_size``: every tensor starts a block, as per tensor) on accelerators,
-        for the built-in codecs (a subclass may change the codec: it stays per tensor) and, for 4-bit codes,
-        blocks of an even size; per tensor on the CPU."""
-        if host_reads_allowed(device) or type(self) not in (Int8AllReduce, Int4AllReduce, FP8AllReduce, FP4AllReduce):
+        for 4-bit codes blocks of an even size; per tensor on the CPU."""
+        if host_reads_allowed(device):
             return None
         return self.block_size if self.block_size % self._codes_per_byte == 0 else None  # a byte in one block
 
@@ -289,6 +291,7 @@ class Int8AllReduce(_QuantisedAllReduce):
     """
 
     name = "int8"
+    capabilities = _QuantisedAllReduce.capabilities
 
     def _quantise_rows(self, blocks: Tensor, hold: bool = False) -> tuple[Tensor, Tensor, Callable[[], Tensor]]:
         """``round(x/s)`` as int8, without a clamp, which would change no finite value: ``|x| <= peak`` makes
@@ -316,6 +319,7 @@ class Int4AllReduce(_QuantisedAllReduce):
     """
 
     name = "int4"
+    capabilities = _QuantisedAllReduce.capabilities
     code_max = 7.0
     _codes_per_byte = 2
 
@@ -361,6 +365,7 @@ class FP8AllReduce(_QuantisedAllReduce):
     """
 
     name = "fp8"
+    capabilities = _QuantisedAllReduce.capabilities
 
     def __init__(self, format: Literal["e4m3", "e5m2"] = "e4m3", block_size: int = 256,
                  owner_error_feedback: bool = True) -> None:
@@ -413,6 +418,7 @@ class FP4AllReduce(_QuantisedAllReduce):
     """
 
     name = "fp4"
+    capabilities = _QuantisedAllReduce.capabilities
     _codes_per_byte = 2
 
     def __init__(self, format: Literal["e3m0", "e2m1"] = "e3m0", block_size: int = 256,

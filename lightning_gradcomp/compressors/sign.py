@@ -58,15 +58,12 @@ class _ScaledSigns(Compressor):
     #: Rows of the flat buffer: whole bytes of sign bits for every tensor (``d_t/8`` rounded up, as per tensor).
     SIGN_ROW = 8
 
-    def _owner(self) -> type:
-        """The class whose per-tensor methods the bucket-wise path reproduces."""
-        raise NotImplementedError
+    #: the subclasses' bucket-wise exchange (:meth:`exchange_segments`)
+    capabilities = frozenset({"whole_bucket"})
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """Rows of 8 elements (one byte of signs) on accelerators; per tensor on the CPU."""
-        if host_reads_allowed(device) or not self._per_tensor_path_is(self._owner()):
-            return None
-        return self.SIGN_ROW
+        return None if host_reads_allowed(device) else self.SIGN_ROW
 
     def _voted_segments(self, flat: Tensor, state: SegmentsState) -> Tensor:
         """What the bucket's tensors send the signs of (Signum's momentum overrides)."""
@@ -130,9 +127,7 @@ class EFSignSGD(_ScaledSigns):
     """
 
     name = "efsignsgd"
-
-    def _owner(self) -> type:
-        return EFSignSGD
+    capabilities = _ScaledSigns.capabilities
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         return self._signs(tensor, self._mean_magnitude(tensor))
@@ -168,6 +163,7 @@ class SignSGD(_ScaledSigns):
     """
 
     name = "signsgd"
+    capabilities = _ScaledSigns.capabilities
     default_error_feedback = False
 
     def __init__(self, scale: Literal["mean", "none"] = "mean", momentum: float = 0.0) -> None:
@@ -204,9 +200,6 @@ class SignSGD(_ScaledSigns):
                     f"{type(optimizer).__name__} applies momentum too (param group {index}); use plain SGD "
                     "(momentum 0), or SignSGD(momentum=0)"
                 )
-
-    def _owner(self) -> type:
-        return SignSGD
 
     def _voted_segments(self, flat: Tensor, state: SegmentsState) -> Tensor:
         """:meth:`_voted` on the flat buffer: Signum's momentum as flat state."""

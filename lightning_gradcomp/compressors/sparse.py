@@ -121,6 +121,7 @@ class TopK(HasDensity, _ValuesAndIndices):
 
     name = "topk"
     checks_finite = True  # from the block peaks (see selection.select_topk)
+    capabilities = frozenset({"whole_bucket"})
 
     def __init__(self, density: float = 0.01, selection: Literal["blocks", "exact", "sampled"] = "blocks") -> None:
         self.density = density
@@ -144,9 +145,7 @@ class TopK(HasDensity, _ValuesAndIndices):
         on accelerators, where kernel launches are the cost. On the CPU the per-tensor selection stays: it
         prunes candidates by reading a count (free there) and picks strided blocks at higher densities,
         3-5x fewer passes over memory than the whole-bucket selection. ``"exact"`` stays per tensor."""
-        if not self._per_tensor_path_is(TopK) or self.selection == "exact" or host_reads_allowed(device):
-            return None
-        return CONTIGUOUS_BLOCK
+        return None if self.selection == "exact" or host_reads_allowed(device) else CONTIGUOUS_BLOCK
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
@@ -178,6 +177,7 @@ class RandomK(HasDensity, _ValuesAndIndices):
     """
 
     name = "randomk"
+    capabilities = frozenset({"whole_bucket"})
 
     def __init__(self, density: float = 0.01, shared_indices: bool = True) -> None:
         self.density = density
@@ -214,14 +214,9 @@ class RandomK(HasDensity, _ValuesAndIndices):
         out.index_add_(0, payload.meta, payload.parts[0].to(out.dtype), alpha=alpha)
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def segment_alignment(self, device: torch.device) -> Optional[int]:
-        """The bucket's flat buffer as it is on accelerators (:meth:`exchange_segments`); per tensor on the
-        CPU."""
-        return self._whole_flat_buffer_on_accelerators(device, RandomK)
-
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:
-        """Every tensor's indices drawn on the CPU from its own generator, as :meth:`compress` draws them
+        """The bucket's flat buffer as it is (the base's :meth:`segment_alignment`). Every tensor's indices drawn on the CPU from its own generator, as :meth:`compress` draws them
         (:func:`sample_many_without_replacement`), copied to the device at once; one gather of the values;
         shared indices: one ``Mean`` and one scatter-add (the same sums as per tensor: the indices are
         distinct), else the gathered format of Top-k (:func:`sparse_segments_protocol`)."""
@@ -320,6 +315,7 @@ class HardThreshold(_ValuesAndIndices):
 
     name = "threshold"
     checks_finite = True  # from the block peaks (see selection.select_threshold)
+    capabilities = frozenset({"whole_bucket"})
 
     def __init__(self, threshold: float = 1e-3) -> None:
         self.threshold = threshold
@@ -355,9 +351,7 @@ class HardThreshold(_ValuesAndIndices):
         """Rows of 64 on accelerators (their peaks say whether each tensor is finite, as per tensor), where the
         per-tensor selection would read two sizes per tensor on the host; per tensor on the CPU, where reading a
         size is free and the blocks prune the work."""
-        if not self._per_tensor_path_is(HardThreshold) or host_reads_allowed(device):
-            return None
-        return CONTIGUOUS_BLOCK
+        return None if host_reads_allowed(device) else CONTIGUOUS_BLOCK
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:

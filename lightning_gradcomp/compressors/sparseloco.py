@@ -62,6 +62,7 @@ class SparseLoCo(Compressor):
     """
 
     name = "sparseloco"
+    capabilities = frozenset({"whole_bucket"})  # the bucket's flat buffer as it is (the base's segment_alignment)
     owns_residual = True  # the accumulator A
 
     def __init__(self, chunk: int = 4096, k: int = 64, bits: Optional[int] = 2, decay: float = 0.95,
@@ -77,6 +78,10 @@ class SparseLoCo(Compressor):
         if aggregate not in ("chosen", "all"):
             raise ValueError(f"`aggregate` must be 'chosen' or 'all', got {aggregate!r}")
         self.aggregate = aggregate
+
+    @property
+    def averages_over_senders(self) -> bool:
+        return self.aggregate == "chosen"
 
     def hparams(self) -> dict[str, Any]:
         return {"chunk": self.chunk, "k": self.k, "bits": self.bits, "decay": self.decay,
@@ -183,9 +188,6 @@ class SparseLoCo(Compressor):
         return Outcome(payload.count, lambda residual: self.accumulate(payload, residual, alpha=-1.0), write, payload)
 
     # ------------------------------------------------------------------ a whole bucket at once
-    def segment_alignment(self, device: torch.device) -> Optional[int]:
-        return self._whole_flat_buffer_on_accelerators(device, SparseLoCo)
-
     def segments_fit(self, numels: Sequence[int], align: int) -> bool:
         return True  # any sizes: the plan of groups handles each tensor's shape
 

@@ -40,6 +40,7 @@ class TernGrad(QSGD):
     """
 
     name = "terngrad"
+    capabilities = QSGD.capabilities
 
     def __init__(self, block_size: Optional[int] = None, clip_sigma: Optional[float] = None) -> None:
         super().__init__(levels=1, bucket_size=_WHOLE_TENSOR if block_size is None else
@@ -70,9 +71,6 @@ class TernGrad(QSGD):
     def _bucket_norms(rows: Tensor) -> Tensor:
         """``s = ||v||_inf`` per row (a max and a min, vectorised)."""
         return peak_magnitudes(rows, 1)
-
-    def _owner(self) -> type:
-        return TernGrad
 
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """As QSGD's, except with the layer-wise clipping (a standard deviation per tensor: per tensor)."""

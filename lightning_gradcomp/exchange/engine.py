@@ -196,14 +196,16 @@ class ExchangeEngine:
     def _units(self, entries: Sequence[Entry], contexts: Sequence[CompressContext], device: torch.device
                ) -> list[tuple[Generator[Round, list, int], list[int]]]:
         """The bucket's protocols and the entries each covers: one for the tensors sent dense, then one
-        for all compressed tensors where the compressor compresses whole buckets
-        (:meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment`), else one per
+        for all compressed tensors where the compressor compresses whole buckets (it declares ``"whole_bucket"``
+        and :meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment` gives an alignment on this
+        device), else one per
         compressed tensor. Sets the finiteness of every tensor the compressor does not check itself
         (one multi-tensor reduction)."""
         compressor = self.pipeline.compressor
         dense = [index for index, entry in enumerate(entries) if not self._compressed(entry)]
         compressed = [index for index, entry in enumerate(entries) if self._compressed(entry)]
-        bucket_alignment = compressor.segment_alignment(device) if self.segmented else None
+        bucket_wise = self.segmented and "whole_bucket" in compressor.capabilities
+        bucket_alignment = compressor.segment_alignment(device) if bucket_wise else None
         align = bucket_alignment if compressed else None
         if align is not None and not compressor.segments_fit([entries[index].grad.numel() for index in compressed],
                                                              align):

@@ -615,16 +615,17 @@ class LocalUpdateLoop(ScheduledSyncs):
         self.weights_equal = len({group.units for group in groups}) == 1 or self.weight_by is None
 
     def _warn_if_weighted_inexactly(self) -> None:
-        if not self.weights_equal and getattr(self.exchange.compressor, "aggregate", None) == "chosen" \
-                and not self._warned_inexact:
+        compressor = self.exchange.compressor
+        if not self.weights_equal and compressor.averages_over_senders and not self._warned_inexact:
             self._warned_inexact = True
             warnings.warn(
-                "gradcomp: the groups' outer gradients are weighted by their samples, but SparseLoCo(aggregate="
-                "'chosen') averages each coordinate over the workers that chose it, which undoes part of the "
-                "weights: the merge is weighted only approximately. SparseLoCo(aggregate='all') merges them exactly "
-                "(or weight_by=None: equal weights)", UserWarning, stacklevel=5)
+                f"gradcomp: the groups' outer gradients are weighted by their samples, but {compressor!r} "
+                "averages each coordinate over the workers that chose it, which undoes part of the weights: the "
+                "merge is weighted only approximately. A compressor that averages over every worker merges them "
+                "exactly (SparseLoCo(aggregate='all')), or weight_by=None gives equal weights", UserWarning,
+                stacklevel=5)
 
-    #: whether the warning that SparseLoCo's 'chosen' aggregate weights only approximately was given
+    #: whether the warning that the compressor's aggregate weights only approximately was given
     _warned_inexact = False
 
     def _group_row(self, fragment: int, device: torch.device) -> list[int]:
