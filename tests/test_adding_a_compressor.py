@@ -105,3 +105,15 @@ def test_a_variant_of_a_built_in_runs_its_own_per_tensor_methods_on_the_accelera
             exchange.finish_step()
             assert ("whole_bucket" in type(compressor).capabilities) == (type(compressor) is TopK)
     assert calls == ["a", "b"]
+
+
+def test_a_finalize_dense_that_the_inherited_many_would_bypass_is_refused() -> None:
+    """DeMo's ``finalize_dense_many`` is one multi-tensor sign, not a loop over ``finalize_dense``: a subclass
+    that overrides only ``finalize_dense`` would never see it called, so the class is refused when defined."""
+    from lightning_gradcomp.compressors import DeMo
+
+    with pytest.raises(TypeError, match="overrides finalize_dense, but the finalize_dense_many it inherits"):
+        type("Halved", (DeMo,), {"finalize_dense": lambda self, out, ctx: out.mul_(0.5)})
+    both = type("Halved", (DeMo,), {"finalize_dense": lambda self, out, ctx: out.mul_(0.5),
+                                    "finalize_dense_many": lambda self, outs, contexts: None})
+    assert "finalize_dense" in both.capabilities

@@ -442,6 +442,11 @@ def _check_capabilities(cls: type[Compressor]) -> None:
         if methods and capability in declared and not implemented:
             raise TypeError(f"{cls.__name__} declares the capability {capability!r} without implementing "
                             f"{' or '.join(methods)}")
+    if "finalize_dense" in cls.__dict__ and "finalize_dense_many" not in cls.__dict__ and \
+            cls.finalize_dense_many is not Compressor.finalize_dense_many:  # the inherited one would bypass it
+        raise TypeError(f"{cls.__name__} overrides finalize_dense, but the finalize_dense_many it inherits (which the "
+                        "engine calls for a bucket's tensors sent dense) does not call it: override "
+                        "finalize_dense_many too")
 
 
 def take_verdict(contexts: Sequence[CompressContext]) -> Optional[Tensor]:

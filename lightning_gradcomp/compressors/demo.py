@@ -544,11 +544,8 @@ class DeMo(Compressor):
             out.sign_()
 
     def finalize_dense_many(self, outs: Sequence[Tensor], contexts: Sequence[CompressContext]) -> None:
-        """:meth:`finalize_dense` of a bucket's tensors sent dense: one multi-tensor sign (a subclass's own
-        :meth:`finalize_dense` is called per tensor)."""
-        if type(self).finalize_dense is not DeMo.finalize_dense:
-            super().finalize_dense_many(outs, contexts)
-        elif self.sign:
+        """:meth:`finalize_dense` of a bucket's tensors sent dense: one multi-tensor sign."""
+        if self.sign:
             torch._foreach_sign_(list(outs))
 
     # ------------------------------------------------------------------ a whole bucket at once
