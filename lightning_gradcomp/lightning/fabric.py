@@ -1,19 +1,5 @@
-"""``GradCompFabricStrategy``: compressed gradients for Lightning Fabric, registered as ``"gradcomp"``.
-
-::
-
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="gradcomp")              # Top-k at 1%
-    fabric = Fabric(devices=8, strategy=GradCompFabricStrategy(compressor=PowerSGD(rank=4)))
-    model, optimizer = fabric.setup(model, optimizer)
-    ...
-    fabric.strategy.step_stats                    # this step's bytes, ratio, density
-    fabric.save(path, {"model": model, "optimizer": optimizer})   # residuals saved under "gradcomp"
-    fabric.load(path, {"model": model, "optimizer": optimizer})   # and restored
-
-Fabric's own ``DDPStrategy`` has no way to pass a communication hook; this subclass wraps the model in
-``DistributedDataParallel`` as Fabric does and registers the exchange through
-:func:`~lightning_gradcomp.register`, on CPU (gloo) and GPU (nccl) alike.
-"""
+"""``GradCompFabricStrategy``: compressed gradients for Lightning Fabric, registered as ``"gradcomp"``: Fabric's
+DDP with the exchange registered through :func:`~lightning_gradcomp.register`; see docs/guides/fabric.md."""
 
 from __future__ import annotations
 
@@ -24,9 +10,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies import DDPStrategy, STRATEGY_REGISTRY
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -34,32 +18,29 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.ddp.handle import GradCompHandle
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
-    group_sampler_kwargs,
+    check_fit_setup,
     check_process_group_backend,
     check_start_method,
     check_timeout,
-    FIND_UNUSED_VARIANT,
+    ExtendsDDP,
     local_update_ddp_kwargs,
-    REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.lightning.options import check_fit_setup
 from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import LocalUpdateHandle
-from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
+from lightning_gradcomp.wiring.plan import check_fault_tolerance, check_global_device_option
 
 
 #: Options of :class:`~lightning_gradcomp.GradCompStrategy` that Fabric's strategy does not take.
 TRAINER_ONLY_OPTIONS = ("hierarchy", "log_stats", "print_summary")
 
 
-class GradCompFabricStrategy(FabricExchange, DDPStrategy):
+class GradCompFabricStrategy(FabricExchange, ExtendsDDP, DDPStrategy):
     """Fabric's DDP with the compressed exchange of :class:`~lightning_gradcomp.GradCompStrategy`.
 
     Args:
@@ -132,37 +113,6 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
             start_method=check_start_method(start_method),
             **kwargs,
         )
-        self.gradcomp: Optional[GradCompHandle] = None
-        self._pending_entry: Optional[dict[str, Any]] = None
-
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants with Fabric."""
-        for name, start_method in REGISTERED_VARIANTS:
-            strategy_registry.register(
-                name, cls, override=True, start_method=start_method,
-                description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
-            )
-        strategy_registry.register(
-            FIND_UNUSED_VARIANT, cls, override=True, find_unused_parameters=True,
-            description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """DDP's, with each replica group's own shuffling seed under fault tolerance (:func:`group_sampler_kwargs`)."""
-        return group_sampler_kwargs(super().distributed_sampler_kwargs, self.fault_tolerance)
-
-    @override
-    def setup_environment(self) -> None:
-        """Fabric's DDP setup; under fault tolerance, then one group name for every process
-        (:meth:`FaultTolerance.for_group`: its samplers' seed and torchft's replica id)."""
-        super().setup_environment()
-        if self.fault_tolerance is not None:
-            self.fault_tolerance = self.fault_tolerance.for_group()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -171,14 +121,7 @@ class GradCompFabricStrategy(FabricExchange, DDPStrategy):
             raise ValueError("GradCompFabricStrategy compresses the gradients of one model; a second model was "
                              "set up (allowed: one fabric.setup(model, ...) per Fabric)")
         ddp = super().setup_module(module)
-        # under fault tolerance this Fabric is one replica group; the quorum is taken now
-        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
-                            exchange_thread=self.exchange_thread, telemetry=self.telemetry,
-                            caller="GradCompFabricStrategy")
-        self.gradcomp = attach_exchange(module, plan, ddp=ddp)
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            self.gradcomp.counted_by_strategy = "GradCompFabricStrategy(local_updates=...)"
-        self._restore_pending_entry()
+        self._attach_exchange(module, "GradCompFabricStrategy", self.exchange_thread, ddp=ddp)
         return ddp
 
     @override

@@ -1,7 +1,7 @@
 """What both Fabric strategies (``GradCompFabricStrategy``, ``GradCompFabricFSDPStrategy``) do with the exchange
-they hold in ``gradcomp``, written once: its figures and summary, the backward that raises an exchange's own
-error, the inner steps counted for local updates, clipping refused after signs, the exchange state carried
-by ``fabric.save``/``fabric.load`` (each rank its own part), and the close at teardown.
+they hold in ``gradcomp``, written once: its figures and summary, its making, the inner steps counted for local
+updates, clipping refused after signs, and the exchange state carried by ``fabric.save``/``fabric.load`` (each
+rank its own part); the backward and the close at teardown are :class:`HoldsExchange`'s.
 
 It imports no Lightning (the strategy modules do, and Lightning's import registers them: a module they both
 import must be complete before that happens).
@@ -26,23 +26,23 @@ from lightning_gradcomp.exchange.checkpoint import (
     resolve_entry_on_every_rank,
     save_part,
 )
-from lightning_gradcomp.exchange.session import exchange_failures
 from lightning_gradcomp.lightning.options import check_clipping_after_signs
-from lightning_gradcomp.lightning.step_figures import ReportsFigures
+from lightning_gradcomp.lightning.step_figures import HoldsExchange, outer_loop_metrics
 from lightning_gradcomp.local.handle import LocalUpdateHandle
 from lightning_gradcomp.metrics.netmodel import Network
 from lightning_gradcomp.metrics.stats import StepStats
+from lightning_gradcomp.wiring.plan import attach_exchange, ExchangePlan
 
 
-class FabricExchange(ReportsFigures):
+class FabricExchange(HoldsExchange):
     """Mixin of the Fabric strategies, before Fabric's strategy class in the bases. The host sets
-    ``options`` (the exchange options), ``local_updates``, ``gradcomp`` (the handle, ``None`` until the model
-    is set up) and ``_pending_entry`` (an entry ``fabric.load`` read before the model was set up)."""
+    ``options`` (the exchange options), ``local_updates``, ``fault_tolerance``, ``global_device`` and
+    ``telemetry``; ``gradcomp`` is the handle (``None`` until the model is set up)."""
 
     options: Any
     local_updates: Any
-    gradcomp: Any
-    _pending_entry: Optional[dict[str, Any]]
+    #: an entry ``fabric.load`` read before the model was set up
+    _pending_entry: Optional[dict[str, Any]] = None
 
     @property
     def compressor(self) -> Compressor:
@@ -60,20 +60,39 @@ class FabricExchange(ReportsFigures):
             raise RuntimeError(f"{type(self).__name__}.summary(): no model has been set up yet (fabric.setup)")
         return self.gradcomp.summary(network)
 
-    def _restore_pending_entry(self) -> None:
-        """The entry ``fabric.load`` read before the model was set up, into the exchange made now."""
+    def metrics(self) -> dict[str, float]:
+        """This rank's ``gradcomp/*`` figures of the latest step (bytes sent, dense bytes, ratio, density;
+        with ``telemetry=True`` the compression error and time), and under local updates, after a step that
+        merged a synchronisation, ``gradcomp/outer_grad_norm`` (and the quorums' figures under fault
+        tolerance): ``fabric.log_dict(fabric.strategy.metrics(), step=step)``. No communication: log them
+        from any rank."""
+        if self.gradcomp is None:
+            return {}
+        stats = self.gradcomp.step_stats
+        figures = stats.metrics()
+        if stats.grad_sq > 0:  # measured (telemetry): the names CompressionMonitor logs under the Trainer
+            figures.update({"gradcomp/step_error": stats.error_sq, "gradcomp/relative_error": stats.relative_error,
+                            "gradcomp/compress_ms": 1e3 * stats.compress_s})
+        loop = getattr(self.gradcomp, "loop", None)
+        if loop is not None and loop.synced:
+            figures.update(outer_loop_metrics(loop))
+        return figures
+
+    def _attach_exchange(self, module: Any, caller: str, exchange_thread: Optional[bool] = None,
+                         **layout: Any) -> None:
+        """The exchange of ``module`` (``layout``: its DDP wrapper or mesh, see
+        :func:`~lightning_gradcomp.wiring.attach_exchange`), into which the entry ``fabric.load`` read before
+        goes; under fault tolerance this Fabric is one replica group and the quorum is taken now."""
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
+                            exchange_thread=exchange_thread, telemetry=self.telemetry, caller=caller)
+        self.gradcomp = attach_exchange(module, plan, **layout)
+        if isinstance(self.gradcomp, LocalUpdateHandle):
+            self.gradcomp.counted_by_strategy = f"{caller}(local_updates=...)"
         if self._pending_entry is not None:
             entry, self._pending_entry = self._pending_entry, None
             self.gradcomp.load_state_dict(entry)
 
     # ------------------------------------------------------------------ steps
-    @override
-    def backward(self, tensor: torch.Tensor, module: Optional[Any], *args: Any, **kwargs: Any) -> None:
-        """Fabric's backward; an exchange that failed (a dead peer) raises its
-        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
-        with exchange_failures(self.gradcomp):
-            super().backward(tensor, module, *args, **kwargs)  # type: ignore[misc]
-
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The inner step; with local updates every ``H``-th step of the first optimizer set up is followed
@@ -101,12 +120,6 @@ class FabricExchange(ReportsFigures):
             check_clipping_after_signs(self.compressor, f"fabric.clip_gradients(clip_val={clip_val!r})",
                                        "no fabric.clip_gradients")
         return super().clip_gradients_value(module, optimizer, clip_val)  # type: ignore[misc]
-
-    @override
-    def teardown(self) -> None:
-        if self.gradcomp is not None:
-            self.gradcomp.close()
-        super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ checkpointing
     @override

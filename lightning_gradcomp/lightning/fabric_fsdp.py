@@ -1,26 +1,6 @@
 """``GradCompFabricFSDPStrategy``: compressed HSDP for Fabric, registered as ``"gradcomp_fsdp"``, the Fabric
-twin of the Trainer's :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`.
-
-::
-
-    fabric = L.Fabric(devices=8, num_nodes=4, strategy=GradCompFabricFSDPStrategy(auto_wrap_policy={Block},
-                                                                               compressor="int8"))
-    fabric.launch()
-    model = fabric.setup_module(model)                  # FSDP2 inside each replica, the exchange between them
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
-    ...                                                 # the loop as with any Fabric strategy
-    fabric.save(path, {"model": model, "optimizer": optimizer})   # + the exchange state, under "gradcomp"
-
-Built on Fabric's FSDP2 support (:class:`lightning.fabric.strategies.ModelParallelStrategy`): the mesh is
-``("replicate", "shard")`` with ``shard_size`` processes per replica (default: the processes per node, one
-replica per node); the model is sharded over ``mesh["shard"]`` by ``auto_wrap_policy`` (every instance of
-the classes, then the model: what Lightning's ``FSDPStrategy(auto_wrap_policy=...)`` does) or by the
-``parallelize_fn(model, mesh)`` given; then :func:`~lightning_gradcomp.register_fsdp` compresses what
-crosses between the replicas, or, with ``local_updates``, DiLoCo-style local updates run on the shards
-(with ``fault_tolerance``, this Fabric is one replica group sharded over its processes, joined to the
-others by torchft). ``fabric.save``/``fabric.load`` carry the exchange state with the model and optimizer
-(a sharded checkpoint directory, or one file with ``save_distributed_checkpoint=False``).
-"""
+twin of the Trainer's :class:`~lightning_gradcomp.lightning.fsdp_strategy.GradCompFSDPStrategy`; see
+docs/sharded.md."""
 
 from __future__ import annotations
 
@@ -29,9 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy, STRATEGY_REGISTRY
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.nn import Module
@@ -41,7 +19,6 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
 from lightning_gradcomp.exchange.options import ExchangeOptions
-from lightning_gradcomp.fsdp.handle import FSDPHandle
 from lightning_gradcomp.lightning.sharding import (
     ALLOWED_OPTIONS,
     check_auto_wrap_policy,
@@ -49,18 +26,13 @@ from lightning_gradcomp.lightning.sharding import (
     check_shard_size,
     refuse_fsdp1,
     refuse_options,
-    replica_mesh,
     replicas_exchanging,
     shard_by_policy,
+    ShardsInReplicas,
     UNREADABLE_CHECKPOINT,
 )
-from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
-from lightning_gradcomp.lightning.options import (
-    check_fit_setup,
-    check_process_group_backend,
-    check_timeout,
-    group_sampler_kwargs,
-)
+from lightning_gradcomp.wiring.plan import check_fault_tolerance, check_global_device_option
+from lightning_gradcomp.lightning.options import check_fit_setup, check_process_group_backend, check_timeout
 from lightning_gradcomp.lightning.fabric_exchange import FabricExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
@@ -70,7 +42,7 @@ from lightning_gradcomp.local.handle import LocalUpdateHandle
 FABRIC_OPTIONS = ("parallelize_fn", "telemetry")
 
 
-class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
+class GradCompFabricFSDPStrategy(FabricExchange, ShardsInReplicas, ModelParallelStrategy):
     """Fabric's FSDP2 inside each replica, the compressed exchange between replicas.
 
     Args:
@@ -134,9 +106,6 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
             process_group_backend=check_process_group_backend(process_group_backend),
             timeout=check_timeout(timeout),
         )
-        #: the exchange between the replicas (made when the model is set up)
-        self.gradcomp: Optional[Union[FSDPHandle, LocalUpdateHandle]] = None
-        self._pending_entry: Optional[dict[str, Any]] = None
 
     @property
     def compression_workers(self) -> int:
@@ -144,33 +113,11 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
         groups of the last quorum)."""
         return replicas_exchanging(self.gradcomp, self.device_mesh)
 
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``gradcomp_fsdp`` with Fabric."""
-        strategy_registry.register(
-            cls.strategy_name, cls, override=True,
-            description="FSDP2 inside each replica, compressed gradients between replicas (lightning-gradcomp HSDP)",
-        )
-
-    # ------------------------------------------------------------------ the mesh and the data
     @override
     def setup_environment(self) -> None:
         """Start the processes' group and build the ``("replicate", "shard")`` mesh."""
         ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        if self.fault_tolerance is not None:
-            self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
-        self._device_mesh = replica_mesh("GradCompFabricFSDPStrategy", self.world_size, self.num_processes,
-                                         self.shard_size, self.fault_tolerance is not None, self.root_device.type)
-        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process its own share of the data (replicas and shards alike are data parallel)."""
-        return group_sampler_kwargs({"num_replicas": self.world_size, "rank": self.global_rank}, self.fault_tolerance)
+        self._setup_mesh("GradCompFabricFSDPStrategy")
 
     # ------------------------------------------------------------------ setup
     def _shard_by_policy(self, module: nn.Module, mesh: Any) -> nn.Module:
@@ -192,12 +139,7 @@ class GradCompFabricFSDPStrategy(FabricExchange, ModelParallelStrategy):
         if not isinstance(module, Module):
             raise TypeError(f"`parallelize_fn` must return the nn.Module it sharded, got {type(module).__name__}")
         _materialize_distributed_module(module, self.root_device)
-        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
-                            telemetry=self.telemetry, caller="GradCompFabricFSDPStrategy")
-        self.gradcomp = attach_exchange(module, plan, mesh=self.device_mesh)
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            self.gradcomp.counted_by_strategy = "GradCompFabricFSDPStrategy(local_updates=...)"
-        self._restore_pending_entry()
+        self._attach_exchange(module, "GradCompFabricFSDPStrategy", mesh=self.device_mesh)
         return module
 
     @override

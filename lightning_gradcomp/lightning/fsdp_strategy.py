@@ -1,42 +1,22 @@
-"""``GradCompFSDPStrategy``: compressed HSDP for the Trainer, registered as ``"gradcomp_fsdp"``.
-
-::
-
-    class Model(L.LightningModule):
-        def configure_model(self):                       # shard inside the replica (the "shard" mesh dimension)
-            for block in self.blocks:
-                fully_shard(block, mesh=self.device_mesh["shard"])
-            fully_shard(self, mesh=self.device_mesh["shard"])
-
-    L.Trainer(devices=8, num_nodes=4, strategy="gradcomp_fsdp")                       # 4 replicas x 8 shards
-    L.Trainer(accelerator="cpu", devices=4, strategy=GradCompFSDPStrategy(shard_size=2, compressor="int8"))
-    L.Trainer(devices=8, strategy=GradCompFSDPStrategy(auto_wrap_policy={Block}, shard_size=4))  # no configure_model
-
-Built on Lightning's FSDP2 support (:class:`lightning.pytorch.strategies.ModelParallelStrategy`): FSDP2
-shards the model inside each replica (reduce-scatter and all-gather over the mesh's ``"shard"`` dimension),
-and :func:`~lightning_gradcomp.register_fsdp` exchanges each rank's gradient shard with the same
-shard of the other replicas, compressed (the ``"replicate"`` dimension), where native HSDP all-reduces it
-dense. Checkpoints are Lightning's sharded (distributed) checkpoints of the model and optimizer, plus each
-rank's part of the exchange state, written by that rank in the checkpoint's ``gradcomp/`` folder.
-"""
+"""``GradCompFSDPStrategy``: compressed HSDP for the Trainer, registered as ``"gradcomp_fsdp"``: FSDP2 inside
+each replica, the compressed exchange of :func:`~lightning_gradcomp.register_fsdp` between replicas; see
+docs/sharded.md."""
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
@@ -46,28 +26,25 @@ from lightning_gradcomp.exchange.checkpoint import (
     CHECKPOINT_KEY,
     DEFAULT_CHECKPOINT_TIMEOUT,
     parts_stub,
-    remove_part,
     resolve_entry_on_every_rank,
     save_part,
 )
-from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
-from lightning_gradcomp.fsdp.handle import FSDPHandle
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
-from lightning_gradcomp.lightning.sharding import (  # noqa: F401 - check_world_divides: tests import it here
+from lightning_gradcomp.exchange.session import ExchangeSession
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
+from lightning_gradcomp.lightning.sharding import (
     check_auto_wrap_policy,
     check_fully_shard_options,
     check_shard_size,
     is_fsdp_module,
     refuse_fsdp1,
     refuse_options,
-    replica_mesh,
     replicas_exchanging,
     shard_by_policy,
+    ShardsInReplicas,
     UNREADABLE_CHECKPOINT,
 )
 from lightning_gradcomp.wiring.plan import attach_exchange, check_fault_tolerance, check_global_device_option, ExchangePlan
 from lightning_gradcomp.lightning.options import (
-    group_sampler_kwargs,
     check_fit_setup,
     check_gradient_clipping,
     check_process_group_backend,
@@ -75,23 +52,15 @@ from lightning_gradcomp.lightning.options import (
     configure_strategy,
     current_options,
 )
-from lightning_gradcomp.lightning.step_figures import (
-    KeepsBatchFigures,
-    log_at_synchronisations,
-    log_mean_over_ranks,
-)
-from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.lightning.trainer_exchange import TrainerExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.handle import FaultTolerantHandle, LocalUpdateHandle
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
 
-#: The LightningModule's step methods, called through the module's ``forward`` when it is itself an FSDP module.
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
-
-class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStrategy):
+class GradCompFSDPStrategy(TrainerExchange, ShowsGlobalModel, ShardsInReplicas, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) inside each replica, the compressed exchange between replicas (HSDP).
 
     The processes form a 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: ``shard_size``
@@ -102,15 +71,10 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
     ``mesh["replicate"]`` to every FSDP module. Every process sees its own share of the data.
 
     Args:
-        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name; default Top-k
-            at density 0.01. Every compressor works on shards (each parameter's local row block).
-        error_feedback: keep residuals ``e = p - C(p)`` per parameter shard (fp32); ``None`` (default) follows
-            the compressor (on for biased ones).
-        min_compress_numel: parameter shards with fewer elements are exchanged dense.
-        seed: base seed of the compressors' generators; identical on all ranks.
-        log_stats: log ``gradcomp/bytes_sent``, ``bytes_dense``, ``compression_ratio`` and ``density``
-            through the Trainer's loggers every ``log_every_n_steps`` (averaged over ranks).
-        print_summary: when ``fit`` ends, rank 0 prints the table of what compression did.
+        compressor, error_feedback, min_compress_numel, seed, log_stats, print_summary: as for
+            :class:`~lightning_gradcomp.GradCompStrategy`, on shards: every compressor works on each parameter's
+            local row block, the residuals ``e = p - C(p)`` are kept per parameter shard (fp32), and parameter
+            shards with fewer than ``min_compress_numel`` elements are exchanged dense.
         local_updates: ``None`` (default): exchange gradients every step (compressed HSDP). A
             :class:`~lightning_gradcomp.LocalUpdates` (or an int ``H``): local-update training on the shards
             (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo's fragments, ``delay``, ``alpha``): FSDP runs
@@ -118,7 +82,7 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             every ``H`` steps each rank's outer gradient of its local shard is exchanged with the same shard
             of the other replicas through ``compressor`` (see :mod:`lightning_gradcomp.local.sharded`).
             As with :class:`~lightning_gradcomp.GradCompStrategy`, validation, checkpoints' ``state_dict`` and
-            the end of ``fit`` see ``θ_global`` (see :mod:`lightning_gradcomp.lightning.local_updates_fit`).
+            the end of ``fit`` see ``θ_global`` (see docs/local-updates.md).
         global_device: with ``local_updates``, where each rank's shard of ``θ_global`` and of the outer
             optimizer's state lives: ``None`` (the parameters' device) or ``"cpu"`` (host memory).
         fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer is
@@ -186,8 +150,6 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             process_group_backend=check_process_group_backend(process_group_backend),
             timeout=check_timeout(timeout),
         )
-        #: the exchange between the replicas (built when ``fit`` sets the model up)
-        self.gradcomp: Optional[Union[FSDPHandle, LocalUpdateHandle]] = None
         self.step_stats = StepStats()
 
     # ------------------------------------------------------------------ the exchange, as the callbacks see it
@@ -213,38 +175,19 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         the replica groups of the last quorum)."""
         return replicas_exchanging(self.gradcomp, self.device_mesh)
 
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``gradcomp_fsdp`` with the Trainer."""
-        strategy_registry.register(
-            cls.strategy_name, cls, override=True,
-            description="FSDP2 inside each replica, compressed gradients between replicas (lightning-gradcomp HSDP)",
-        )
+    @property
+    def _fault_tolerant(self) -> bool:
+        return isinstance(self.gradcomp, FaultTolerantHandle)
 
-    # ------------------------------------------------------------------ the mesh and the data
+    # ------------------------------------------------------------------ the mesh
     @override
     def setup_environment(self) -> None:
         """Start the processes' group, build the ``("replicate", "shard")`` mesh and show it to the
         LightningModule (``self.device_mesh`` in ``configure_model``)."""
         ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        if self.fault_tolerance is not None:  # this job is one replica group, sharded over all its processes
-            self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
-        self._device_mesh = replica_mesh("GradCompFSDPStrategy", self.world_size, self.num_processes, self.shard_size,
-                                         self.fault_tolerance is not None, self.root_device.type)
-        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
+        self._setup_mesh("GradCompFSDPStrategy")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every process its own share of the data (replicas and shards alike are data parallel); under
-        fault tolerance each replica group shuffles with its own seed (see
-        :meth:`~lightning_gradcomp.FaultTolerance.data_seed`)."""
-        return group_sampler_kwargs({"num_replicas": self.world_size, "rank": self.global_rank}, self.fault_tolerance)
 
     # ------------------------------------------------------------------ sharding and the exchange
     @override
@@ -342,48 +285,6 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
 
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
-                 ) -> torch.Tensor:
-        """Lightning's backward; an exchange that failed (a dead peer) raises its
-        :class:`~lightning_gradcomp.CollectiveError`."""
-        with exchange_failures(self.gradcomp):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    # ------------------------------------------------------------------ per-step figures
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
-                       **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        loop = self.outer_loop
-        if loop is not None:
-            loop.step()
-            stop_at_the_runs_end(self.lightning_module.trainer, loop)
-        if self.gradcomp is not None:
-            self._record_step(self.gradcomp.hook_state)
-            if self.log_stats:
-                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-                if loop is not None:
-                    log_at_synchronisations(trainer, self.step_stats, loop)
-                else:
-                    log_mean_over_ranks(trainer, self.step_stats, self.root_device)
-        return output
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()  # under local updates: the final synchronisation, if no callback ran it
-        if isinstance(self.gradcomp, LocalUpdateHandle):
-            self.gradcomp.loop.close()  # count the overlapped exchanges still in flight
-        print_fit_summary(self)
-        if isinstance(self.gradcomp, FaultTolerantHandle) and self.is_global_zero and self.print_summary:
-            print(self.gradcomp.fault_tolerance.describe(), flush=True)
-
-    @override
-    def teardown(self) -> None:
-        if self.gradcomp is not None:
-            self.gradcomp.close()
-        super().teardown()
-
     # ------------------------------------------------------------------ checkpointing
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -400,12 +301,6 @@ class GradCompFSDPStrategy(KeepsBatchFigures, ShowsGlobalModel, ModelParallelStr
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if part is not None:
             save_part(filepath, self.global_rank, part)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
-        super().remove_checkpoint(filepath)
-        remove_part(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

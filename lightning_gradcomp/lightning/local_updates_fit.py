@@ -1,27 +1,5 @@
-"""Local updates under the Trainer: ``θ_global`` is the model everywhere but in the training batches.
-
-During ``fit`` every rank trains its own replica; validation (also mid-training), every checkpoint's
-model ``state_dict`` and the weights ``fit`` ends with are ``θ_global``'s, the same on every rank:
-
-- from ``on_validation_start`` to ``on_validation_end`` inside ``fit``, every callback's, the
-  LightningModule's and the validation steps included, the module holds ``θ_global`` and the buffers of
-  the last synchronisation (by reference, no communication); ``trainer.validate``, ``test`` and
-  ``predict`` after ``fit`` see it because ``fit`` ended on it;
-- ``lightning_module_state_dict`` (what ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write as
-  ``"state_dict"``) is taken with ``θ_global`` in the module; the per-rank replicas, inner-optimizer
-  states and the outer state travel in the checkpoint's ``"gradcomp"`` entry, so a resume is exact;
-- when ``fit`` ends, before any callback's ``on_train_end``, the outer loop's
-  :meth:`~lightning_gradcomp.local.loop.ScheduledSyncs.sync` merges the exchanges in flight and
-  synchronises the fragments that moved since their last synchronisation: a partial window is not lost,
-  and every rank ends with ``θ_global``. (``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` there
-  only when it has written none in this ``fit``; for a checkpoint of the final weights call
-  ``trainer.save_checkpoint`` after ``fit``.)
-- a ``fit`` that fails (an exception, a dead peer) leaves ``θ_global`` as of the last synchronisation in
-  the module, without communicating.
-
-Callbacks that run inside a training batch (``on_train_batch_start`` / ``_end``,
-``on_before_optimizer_step``...) see the rank's replica, which is what the batch trains.
-"""
+"""Local updates under the Trainer: ``θ_global`` is the model everywhere but in the training batches
+(validation, checkpoints' model ``state_dict``, the end of ``fit``); see docs/local-updates.md."""
 
 from __future__ import annotations
 
@@ -59,8 +37,8 @@ class _GlobalModelFirst(Callback):
 
 class ShowsGlobalModel:
     """Mixin for the Trainer strategies: under local updates, ``θ_global`` is what evaluation, checkpoints
-    and the end of ``fit`` see (see the module docstring). The host class provides :attr:`outer_loop`
-    and calls :meth:`_start_showing_global_model` from ``setup`` when fitting."""
+    and the end of ``fit`` see (see docs/local-updates.md). The host class provides ``outer_loop`` (``None``:
+    gradients exchanged every step) and calls :meth:`_start_showing_global_model` from ``setup`` when fitting."""
 
     _fitting_locally = False
     #: whether the strategy writes every rank's checkpoint under rank 0's file name under time-boxed windows
@@ -68,11 +46,7 @@ class ShowsGlobalModel:
     _evaluation_view: Optional[ExitStack] = None
     _end_callback: Optional[_GlobalModelFirst] = None
     _callbacks: Optional[list[Any]] = None  # the Trainer's callback list the end callback is in
-
-    @property
-    def outer_loop(self) -> Optional[ScheduledSyncs]:
-        """The outer loop of local updates (``None``: gradients exchanged every step)."""
-        raise NotImplementedError
+    outer_loop: Optional[ScheduledSyncs]
 
     def _start_showing_global_model(self, trainer: Any) -> None:
         """From ``setup``: when this ``fit`` trains with local updates, place :class:`_GlobalModelFirst` first

@@ -1,5 +1,5 @@
-"""The Lightning strategies' options (Trainer, Fabric, simulation), validated in one place, and the
-checks made when ``fit`` starts.
+"""The Lightning strategies' options (Trainer, Fabric, simulation), validated in one place, the checks made
+when ``fit`` starts, and the DDP strategies' registered names and samplers (:class:`ExtendsDDP`).
 
 Bad input is a ``ValueError`` naming the parameter and the allowed values, raised at construction,
 before any process is started.
@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
@@ -33,7 +34,7 @@ def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_
     strategy.error_feedback = options.error_feedback
     strategy.min_compress_numel = options.min_compress_numel
     strategy.seed = options.seed
-    strategy.log_stats = check_log_stats(log_stats)
+    strategy.log_stats = check_bool(log_stats, "log_stats")
     strategy.print_summary = check_bool(print_summary, "print_summary")
 
 
@@ -41,18 +42,6 @@ def current_options(strategy: Any) -> ExchangeOptions:
     """A Trainer strategy's options as its attributes hold them when ``fit`` starts (a ``compressor`` or
     ``seed`` set after construction is the one used, as the callbacks and the checks see it)."""
     return ExchangeOptions(strategy.compressor, strategy.error_feedback, strategy.min_compress_numel, strategy.seed)
-
-
-def check_log_stats(log_stats: bool) -> bool:
-    """``log_stats`` must be a boolean."""
-    return check_bool(log_stats, "log_stats")
-
-
-def check_bucket_cap_mb(value: Any) -> None:
-    """DDP's bucket size: a number of MB > 0 (or ``None`` for DDP's default)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 < value < math.inf):
-        raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {value!r}")
 
 
 def check_process_group_backend(backend: Optional[str]) -> Optional[str]:
@@ -104,7 +93,9 @@ def check_ddp_kwargs(kwargs: dict[str, Any], strategy: str) -> dict[str, Any]:
     for name in _STRATEGY_OWNED_DDP_KWARGS:
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"`{name}` is set by the strategy from the devices it is given; allowed: None")
-    check_bucket_cap_mb(kwargs.get("bucket_cap_mb"))
+    cap = kwargs.get("bucket_cap_mb")  # DDP's bucket size in MB (None: DDP's default)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+        raise ValueError(f"`bucket_cap_mb` must be a number > 0, got {cap!r}")
     for name, value in kwargs.items():
         if isinstance(_DDP_DEFAULTS.get(name), bool):  # "yes" is not True
             check_bool(value, name)
@@ -157,14 +148,7 @@ def check_gradient_clipping(compressor: Compressor, trainer: Any) -> None:
 
 def check_clipping_after_signs(compressor: Compressor, setting: str, instead: str) -> None:
     """Refuse ``setting``, a clipping of what the exchange hands the optimizer, when ``compressor``'s
-    aggregate is signs (``instead``: the setting that does not clip, for the message).
-
-    A vector of ±1s has a norm of about ``√d`` whatever the gradient, so ``clip_grad_norm_(..., c)``
-    multiplies every step by about ``c/√d`` (DeMo on a model of 360k parameters with ``c = 1``: about 600
-    times smaller steps, and the model stops learning); clipping by value only rescales the ±1s by a
-    constant, or leaves them. Scaled signs (SignSGD's default ``scale="mean"``, EFSignSGD) keep the
-    gradients' size and are clipped as gradients.
-    """
+    aggregate is signs (``instead``: the setting that does not clip, for the message, which says why)."""
     if not compressor.produces_signs:
         return
     raise ValueError(
@@ -192,6 +176,42 @@ def local_update_ddp_kwargs(kwargs: dict[str, Any], hierarchy: str, exchange_thr
                          "(the default under local updates) or unset")
     # buffers are made equal once, when DDP wraps the model, and never in forward
     return {**kwargs, _NO_FORWARD_BUFFER_SYNC: False}
+
+
+class ExtendsDDP:
+    """Mixin of the DDP strategies (the Trainer's and Fabric's), before Lightning's ``DDPStrategy`` in the bases:
+    the registered names, and DDP's environment and samplers under fault tolerance."""
+
+    fault_tolerance: Optional[FaultTolerance]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants, and
+        :data:`FIND_UNUSED_VARIANT`."""
+        for name, start_method in REGISTERED_VARIANTS:
+            strategy_registry.register(
+                name, cls, override=True, start_method=start_method,
+                description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
+            )
+        strategy_registry.register(
+            FIND_UNUSED_VARIANT, cls, override=True, find_unused_parameters=True,
+            description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """DDP's, with each replica group's own shuffling seed under fault tolerance (:func:`group_sampler_kwargs`)."""
+        return group_sampler_kwargs(super().distributed_sampler_kwargs, self.fault_tolerance)  # type: ignore[misc]
+
+    @override
+    def setup_environment(self) -> None:
+        """DDP's; under fault tolerance, then one group name for every process (:meth:`FaultTolerance.for_group`:
+        its samplers' seed and torchft's replica id)."""
+        super().setup_environment()  # type: ignore[misc]
+        if self.fault_tolerance is not None:
+            self.fault_tolerance = self.fault_tolerance.for_group()
 
 
 def group_sampler_kwargs(kwargs: dict[str, Any], fault_tolerance: Optional[FaultTolerance]) -> dict[str, Any]:

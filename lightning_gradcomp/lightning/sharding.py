@@ -1,7 +1,8 @@
 """What the Trainer's and Fabric's sharded strategies share: their options and the checks of them, the
-``("replicate", "shard")`` mesh, sharding by an auto-wrap policy, and the exchange attached between the
-replicas. It imports no Lightning (the strategies' modules do, and Lightning's import registers them: a
-module they both import must be complete before that happens)."""
+``("replicate", "shard")`` mesh, their registration and samplers (:class:`ShardsInReplicas`), sharding by an
+auto-wrap policy, and the exchange attached between the replicas. It imports no Lightning (the strategies'
+modules do, and Lightning's import registers them: a module they both import must be complete before that
+happens)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import importlib
 from typing import Any, Optional
 
 from torch import nn
+from typing_extensions import override
 
 from lightning_gradcomp.core.fsdp2 import MESH_DIMS
+from lightning_gradcomp.lightning.options import group_sampler_kwargs
 from lightning_gradcomp.local.handle import FaultTolerantHandle
 
 #: Options of the other gradcomp strategies and of ``ModelParallelStrategy`` that have no meaning here, and why.
@@ -62,6 +65,41 @@ def replica_mesh(strategy: str, world_size: int, num_processes: int, shard_size:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=MESH_DIMS)
+
+
+class ShardsInReplicas:
+    """Mixin of the sharded strategies (the Trainer's and Fabric's), before Lightning's ``ModelParallelStrategy``
+    in the bases: the registered name, the mesh, and every process's share of the data."""
+
+    strategy_name: str
+    fault_tolerance: Any
+    shard_size: Optional[int]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``gradcomp_fsdp``."""
+        strategy_registry.register(
+            cls.strategy_name, cls, override=True,
+            description="FSDP2 inside each replica, compressed gradients between replicas (lightning-gradcomp HSDP)",
+        )
+
+    def _setup_mesh(self, strategy: str) -> None:
+        """Start the processes' group and build the :func:`replica_mesh` (``strategy``: the name its errors give)."""
+        self._setup_distributed()
+        if self.fault_tolerance is not None:  # this job is one replica group, sharded over all its processes
+            self.fault_tolerance = self.fault_tolerance.for_group()  # one name for every process (samplers' seed)
+        self._device_mesh = replica_mesh(strategy, self.world_size, self.num_processes, self.shard_size,
+                                         self.fault_tolerance is not None, self.root_device.type)
+        self._data_parallel_size, self._tensor_parallel_size = self._device_mesh.shape
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process its own share of the data (replicas and shards alike are data parallel); under fault
+        tolerance each replica group shuffles with its own seed
+        (:meth:`~lightning_gradcomp.FaultTolerance.data_seed`)."""
+        return group_sampler_kwargs({"num_replicas": self.world_size, "rank": self.global_rank}, self.fault_tolerance)
 
 
 def replicas_exchanging(handle: Any, mesh: Any) -> int:

@@ -23,7 +23,7 @@ from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
 from lightning_gradcomp.lightning.options import configure_strategy
 from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
-from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.lightning.trainer_exchange import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.local.simulated import SimulatedLocalUpdates
@@ -70,7 +70,7 @@ class GradCompSimStrategy(ShowsGlobalModel, RestoresCompressionState, SingleDevi
             share of every batch; :class:`~lightning_gradcomp.local.SimulatedLocalUpdates`), synchronised
             every ``H`` optimizer steps as :class:`~lightning_gradcomp.GradCompStrategy` does. Validation,
             checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters, as
-            in a real run (:mod:`lightning_gradcomp.lightning.local_updates_fit`); inside a training batch the
+            in a real run (docs/local-updates.md); inside a training batch the
             module holds worker 0's. Memory: ``workers`` copies of the parameters and optimizer state.
         device: the device; default: the accelerator's first device.
     """

@@ -1,5 +1,7 @@
 """The per-batch figures of the Trainer strategies that exchange every step (``step_stats``) and their
-``gradcomp/*`` scalars, written once for ``GradCompStrategy`` and ``GradCompFSDPStrategy``."""
+``gradcomp/*`` scalars, written once for ``GradCompStrategy`` and ``GradCompFSDPStrategy``; and what every
+strategy that holds its exchange in ``gradcomp`` does with it (:class:`HoldsExchange`). It imports no Lightning
+(see :mod:`~lightning_gradcomp.lightning.fabric_exchange`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,28 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_gradcomp.exchange.session import exchange_failures
 from lightning_gradcomp.metrics.stats import StepStats
+
+
+class HoldsExchange:
+    """Mixin of the Trainer's and Fabric's DDP and sharded strategies, before Lightning's strategy class in the
+    bases: the host holds the exchange's handle in ``gradcomp`` (``None`` until it is built)."""
+
+    gradcomp: Any = None
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's (or Fabric's) backward; an exchange that failed (a dead peer) raises its
+        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
+        with exchange_failures(self.gradcomp):
+            return super().backward(*args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        if self.gradcomp is not None:  # under fault tolerance: leave the quorum, the other groups go on
+            self.gradcomp.close()
+        super().teardown()  # type: ignore[misc]
 
 
 class KeepsBatchFigures:
@@ -63,43 +86,14 @@ def log_at_synchronisations(trainer: Any, stats: StepStats, loop: Any) -> None:
 
 
 def outer_loop_metrics(loop: Any) -> dict[str, float]:
-    """At a synchronisation: ``gradcomp/outer_grad_norm`` (‖Δ̄‖ of the last one) and, under fault tolerance,
-    :func:`fault_tolerance_metrics`."""
-    return {"gradcomp/outer_grad_norm": loop.outer.last_norm, **fault_tolerance_metrics(loop)}
-
-
-def fault_tolerance_metrics(loop: Any) -> dict[str, float]:
-    """Under fault tolerance (a loop whose membership keeps figures: torchft's), the figures of its quorums:
-    ``gradcomp/ft_participants`` (of the last), ``ft_commits``, ``ft_rollbacks``, ``ft_quorum_seconds``; else none."""
+    """At a synchronisation: ``gradcomp/outer_grad_norm`` (‖Δ̄‖ of the last one) and, under fault tolerance (a
+    loop whose membership keeps figures: torchft's), the figures of its quorums: ``gradcomp/ft_participants``
+    (of the last), ``ft_commits``, ``ft_rollbacks``, ``ft_quorum_seconds``."""
+    metrics = {"gradcomp/outer_grad_norm": loop.outer.last_norm}
     figures = getattr(getattr(loop, "membership", None), "figures", None)
-    if figures is None:
-        return {}
-    return {"gradcomp/ft_participants": float(figures.participants[-1] if figures.participants else 0),
-            "gradcomp/ft_commits": float(figures.commits), "gradcomp/ft_rollbacks": float(figures.rollbacks),
-            "gradcomp/ft_quorum_seconds": figures.quorum_seconds}
-
-
-class ReportsFigures:
-    """Mixin of the Fabric strategies (Fabric has no callbacks that log): :meth:`metrics` for
-    ``fabric.log_dict``. The host holds the exchange's handle in ``gradcomp``."""
-
-    gradcomp: Any
-
-    def metrics(self) -> dict[str, float]:
-        """This rank's ``gradcomp/*`` figures of the latest step (bytes sent, dense bytes, ratio, density;
-        with ``telemetry=True`` the compression error and time), and under local updates, after a step that
-        merged a synchronisation, ``gradcomp/outer_grad_norm`` (and the quorums' figures under fault
-        tolerance): ``fabric.log_dict(fabric.strategy.metrics(), step=step)``. No communication: log them
-        from any rank."""
-        if self.gradcomp is None:
-            return {}
-        stats = self.gradcomp.step_stats
-        figures = stats.metrics()
-        if stats.grad_sq > 0:  # measured (telemetry): the names CompressionMonitor logs under the Trainer
-            figures.update({"gradcomp/step_error": stats.error_sq, "gradcomp/relative_error": stats.relative_error,
-                            "gradcomp/compress_ms": 1e3 * stats.compress_s})
-        loop = getattr(self.gradcomp, "loop", None)
-        if loop is not None and loop.synced:
-            figures.update(outer_loop_metrics(loop))
-        return figures
-
+    if figures is not None:
+        metrics.update({"gradcomp/ft_participants": float(figures.participants[-1] if figures.participants else 0),
+                        "gradcomp/ft_commits": float(figures.commits),
+                        "gradcomp/ft_rollbacks": float(figures.rollbacks),
+                        "gradcomp/ft_quorum_seconds": figures.quorum_seconds})
+    return metrics

@@ -9,36 +9,22 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.core.checks import check_bool
-from lightning_gradcomp.exchange.checkpoint import (
-    agree_on_the_save,
-    CHECKPOINT_KEY,
-    own_entry,
-    parts_stub,
-    remove_part,
-    save_part,
-    saved_states,
-)
+from lightning_gradcomp.exchange.checkpoint import (agree_on_the_save, CHECKPOINT_KEY, own_entry, parts_stub, save_part,
+                                                   saved_states)
 from lightning_gradcomp.ddp.hierarchy import check_hierarchy, node_groups
 from lightning_gradcomp.exchange.handle import ExchangeHandle
-from lightning_gradcomp.exchange.session import ExchangeSession, exchange_failures
+from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
-from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel, stop_at_the_runs_end
-from lightning_gradcomp.lightning.step_figures import (
-    KeepsBatchFigures,
-    log_at_synchronisations,
-    log_mean_over_ranks,
-)
+from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance, TorchftMembership
 from lightning_gradcomp.local.handle import LOCAL_STATE_DROPPED, LocalUpdateHandle
@@ -46,18 +32,17 @@ from lightning_gradcomp.local.loop import LocalUpdateLoop, ScheduledSyncs
 from lightning_gradcomp.wiring.plan import check_fault_tolerance, check_global_device_option
 from lightning_gradcomp.lightning.options import (
     check_ddp_kwargs,
-    group_sampler_kwargs,
+    check_fit_setup,
+    check_gradient_clipping,
     check_process_group_backend,
     check_start_method,
     check_timeout,
     configure_strategy,
     current_options,
-    FIND_UNUSED_VARIANT,
+    ExtendsDDP,
     local_update_ddp_kwargs,
-    REGISTERED_VARIANTS,
 )
-from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
-from lightning_gradcomp.lightning.summary import print_fit_summary
+from lightning_gradcomp.lightning.trainer_exchange import TrainerExchange
 from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.wiring.plan import attach_exchange, ExchangePlan
 
@@ -67,7 +52,7 @@ if TYPE_CHECKING:
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionState, DDPStrategy):
+class GradCompStrategy(TrainerExchange, ShowsGlobalModel, RestoresCompressionState, ExtendsDDP, DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
@@ -107,7 +92,7 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             broadcast), then the outer gradients ``θ_global − θ`` are exchanged with ``compressor`` and the
             outer optimizer steps the global parameters; see :mod:`lightning_gradcomp.local`. Validation,
             checkpoints' model ``state_dict`` and the weights ``fit`` ends with are the global parameters
-            (``fit`` ends with a final synchronisation); see :mod:`lightning_gradcomp.lightning.local_updates_fit`.
+            (``fit`` ends with a final synchronisation); see docs/local-updates.md.
         fault_tolerance: with ``local_updates``, a :class:`~lightning_gradcomp.FaultTolerance`: this Trainer is
             one replica group of a job that survives lost groups; the synchronisations go through torchft's
             lighthouse (the ``ft`` extra; see :mod:`lightning_gradcomp.local.fault_tolerance`). With several
@@ -217,38 +202,6 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
     def outer_loop(self) -> Optional[ScheduledSyncs]:
         return self.local_loop
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """DDP's, with each replica group's own shuffling seed under fault tolerance (:func:`group_sampler_kwargs`)."""
-        return group_sampler_kwargs(super().distributed_sampler_kwargs, self.fault_tolerance)
-
-    # ------------------------------------------------------------------ registration
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``gradcomp`` and its ``_spawn``, ``_fork``, ``_notebook`` variants."""
-        for name, start_method in REGISTERED_VARIANTS:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP with compressed gradients (lightning-gradcomp), start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
-        strategy_registry.register(
-            FIND_UNUSED_VARIANT, cls, override=True, find_unused_parameters=True,
-            description="DDP with compressed gradients (lightning-gradcomp), find_unused_parameters=True",
-        )
-
-    @override
-    def setup_environment(self) -> None:
-        """DDP's; under fault tolerance, then one group name for every process (:meth:`FaultTolerance.for_group`:
-        its samplers' seed and torchft's replica id)."""
-        super().setup_environment()
-        if self.fault_tolerance is not None:
-            self.fault_tolerance = self.fault_tolerance.for_group()
-
     # ------------------------------------------------------------------ hook installation
     @override
     def setup(self, trainer: Any) -> None:
@@ -279,55 +232,6 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         self.hook_state = self.gradcomp.hook_state
         self.local_loop = self.gradcomp.loop if isinstance(self.gradcomp, LocalUpdateHandle) else None
         self._restore_pending()
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
-                 ) -> torch.Tensor:
-        """Lightning's backward; an exchange that failed (a dead peer) raises its
-        :class:`~lightning_gradcomp.CollectiveError`, not DDP's ``RuntimeError`` wrapping it."""
-        with exchange_failures(self.hook_state):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    # ------------------------------------------------------------------ per-step figures
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Any] = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.local_loop is not None:
-            self.local_loop.step()
-            stop_at_the_runs_end(self.lightning_module.trainer, self.local_loop)
-        if self.hook_state is not None:
-            self._record_step(self.hook_state)
-            if self.log_stats:
-                self._log_step_stats()
-        return output
-
-    def _log_step_stats(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.local_loop is None:
-            log_mean_over_ranks(trainer, self.step_stats, self.root_device)
-            return
-        log_at_synchronisations(trainer, self.step_stats, self.local_loop)
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self.local_loop is not None:
-            self.local_loop.close()  # count the overlapped exchanges still in flight
-        print_fit_summary(self)
-        if self._fault_tolerant and self.is_global_zero and self.print_summary:
-            print(self.local_loop.membership.figures.describe(), flush=True)
-
-    @override
-    def teardown(self) -> None:
-        if self.gradcomp is not None:  # under fault tolerance: leave the quorum, the other groups go on
-            self.gradcomp.close()
-        super().teardown()
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -366,13 +270,6 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
             return self.broadcast(filepath)
         return filepath
 
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's removal (rank 0), and each rank its own part of the exchange state."""
-        filepath = self._checkpoint_name(filepath)
-        super().remove_checkpoint(filepath)
-        remove_part(filepath, self.global_rank)
-
     def _after_restore(self, saved: dict[str, Any]) -> None:
         """A checkpoint of local updates whose state was dropped (another number of workers, compressor or
         layout): say so, as the plain handles do, beyond the residuals :func:`restore_entry` names."""
@@ -391,7 +288,6 @@ class GradCompStrategy(KeepsBatchFigures, ShowsGlobalModel, RestoresCompressionS
         if self._pending_local is not None and self.local_loop is not None:
             local, self._pending_local = self._pending_local, None
             self.local_loop.load_state_dict(local, self.optimizers)
-
 
 
 GradCompStrategy.register_strategies(StrategyRegistry)

@@ -220,7 +220,6 @@ class Exchange:
     seconds: float  # one worker's compression + decoding
     bytes_sent: float  # per worker, as ``step_stats`` counts them (metrics.stats.collective_bytes_sent)
     collectives: list[tuple[str, int]]  # (kind, input bytes), priced by the network model
-    simulated_workers: int
     sync_every: int = 1  # local updates: one exchange every ``sync_every`` optimizer steps
 
 
@@ -242,7 +241,7 @@ def ddp_exchange(name: str, gradients: list[tuple[str, torch.Tensor]], itemsize:
             bucket, cap = 0, DDP_BUCKET_BYTES
     if bucket:
         collectives.append(("all_reduce", bucket))
-    return Exchange(name, None, 0.0, float(logged_bytes_sent(collectives, workers)), collectives, 0)
+    return Exchange(name, None, 0.0, float(logged_bytes_sent(collectives, workers)), collectives)
 
 
 def measure_exchange(name: str, compressor: Compressor, gradients: list[tuple[str, torch.Tensor]], workers: int,
@@ -266,7 +265,7 @@ def measure_exchange(name: str, compressor: Compressor, gradients: list[tuple[st
     step()  # warm-up
     seconds = statistics.median(step() for _ in range(max(1, repeats)))
     stats = exchange.step_stats
-    return Exchange(name, compressor, seconds, stats.bytes_sent, list(stats.collectives), simulated)
+    return Exchange(name, compressor, seconds, stats.bytes_sent, list(stats.collectives))
 
 
 @dataclass

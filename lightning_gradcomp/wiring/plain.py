@@ -145,10 +145,7 @@ def local_updates(
         compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
             :class:`~lightning_gradcomp.GradCompStrategy` (default: uncompressed, DiLoCo).
         telemetry: also measure the compression error and time.
-        timeout: how long :meth:`LocalUpdateHandle.state_dict` (a collective) waits for the other ranks
-            before it raises (a ``timedelta`` or seconds; default 5 minutes): a script that calls it on rank 0
-            only fails with advice instead of hanging. The exchange itself fails a dead peer after the
-            process group's own timeout.
+        timeout: as for :func:`~lightning_gradcomp.register`, for :meth:`LocalUpdateHandle.state_dict`.
         global_device: where ``θ_global`` and the outer optimizer's state live: ``None`` (the parameters'
             device) or ``"cpu"`` (host memory, pinned: 2-3x the model's bytes kept off the accelerator, at
             the price of a copy each way per synchronisation).

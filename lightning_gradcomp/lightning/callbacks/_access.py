@@ -34,7 +34,5 @@ def exchange_state(trainer: Any) -> ExchangeState:
 
 
 def local_update_loop(trainer: Any) -> Any:
-    """The strategy's outer loop under local updates (``local_loop`` of the DDP strategy, ``local`` of the
-    simulation), or ``None`` when gradients are exchanged every step."""
-    strategy = trainer.strategy
-    return getattr(strategy, "local_loop", None) or getattr(strategy, "local", None)
+    """The strategy's outer loop under local updates, or ``None`` when gradients are exchanged every step."""
+    return getattr(trainer.strategy, "outer_loop", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
 import lightning as L
@@ -277,9 +277,7 @@ class AdaptiveCompression(Callback):
         apply_level(trainer, self.current_level, "AdaptiveCompression")
 
     def state_dict(self) -> dict[str, Any]:
-        s = self.state
-        return {"level": s.level, "epochs_on_level": s.epochs_on_level, "escape_left": s.escape_left,
-                "return_level": s.return_level, "last_loss": s.last_loss, "history": list(s.history)}
+        return asdict(self.state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state = ScheduleState(**state_dict)

@@ -30,17 +30,15 @@ class CompressionMonitor(Callback):
       :math:`e_{t+1} = p_t - C(p_t)` is the error carried forward under error feedback (for DGC, its
       velocity). For compressors without error feedback the same quantity is computed from each step's
       compression error, so all compressors compare. It never decreases and survives checkpoint and
-      resume (the running totals are saved with the strategy's state). Sahu et al. (NeurIPS 2021,
-      NeurIPS 2021) show this total governs convergence under error feedback.
+      resume (the running totals are saved with the strategy's state). Sahu et al. (NeurIPS 2021) show
+      this total governs convergence under error feedback.
     * ``gradcomp/step_error`` (:math:`\|e_{t+1}\|^2`) and ``gradcomp/relative_error``
       (:math:`\|p_t - C(p_t)\|^2 / \|p_t\|^2`);
     * ``gradcomp/average_density``: :math:`\rho = \sum_t k_t / (T d)` since the start, and
       ``gradcomp/density`` of this step;
-    * ``gradcomp/bytes_sent``, ``gradcomp/bytes_dense``, their running totals
-      ``gradcomp/bytes_sent_total`` and ``gradcomp/bytes_dense_total``, and
-      ``gradcomp/compression_ratio``;
-    * ``gradcomp/compress_ms`` and ``gradcomp/decompress_ms``: measured time compressing (with error
-      feedback) and decoding, and ``gradcomp/comm_ms_est``: this step's collectives on ``network``.
+    * the bytes (``bytes_sent``, ``bytes_dense``, their ``_total``), ``compression_ratio``, the measured
+      ``compress_ms`` (with error feedback) and ``decompress_ms``, and ``comm_ms_est``: this step's
+      collectives on ``network`` (how to read them: docs/telemetry.md).
 
     At the end of every epoch: ``gradcomp/epoch_compute_s`` (measured; divided by the number of
     workers in a simulation, where they run one after another, as Harris 2020 does), ``gradcomp/epoch_comm_s_est``
