@@ -1,31 +1,11 @@
 """The vocabulary of an exchange protocol: what a compressor asks of the other workers, round by round.
 
 A compressor's exchange of one tensor is a Python generator (see
-:meth:`~lightning_gradcomp.compressors.Compressor.exchange`)::
+:meth:`~lightning_gradcomp.compressors.Compressor.exchange` and docs/adding-a-compressor.md)::
 
     results = yield Round([Mean(p_matrix)])                    # an intermediate round
     results = yield Round([Gather(parts)], last=True)          # the last round
     return Outcome(count, subtract, write)
-
-Each :class:`Round` lists requests; ``results`` holds one result per request, in order:
-
-* :class:`Mean` — the element-wise average over workers. The engine divides the tensor by the number
-  of workers ``N`` and sums with one ``all_reduce`` (so a 16-bit sum stays within range whenever each
-  worker's value does). Result: a tensor of the same shape and dtype.
-* :class:`Gather` — every worker's parts. Result: a list, one :class:`Received` per worker (in rank
-  order), holding that worker's 1-D parts and its count. Parts may differ in size between workers only when
-  ``count`` is given (data-dependent sizes): the engine then exchanges the counts first and pads.
-* :class:`AllToAll` — a different part for every worker. Result: a list, one :class:`Received` per
-  worker (in rank order), holding the parts that worker sent to this one.
-
-Results are **read-only** (in the simulation every worker receives the same tensor): a protocol that
-needs to change one works on a copy. The sequence of rounds and requests (their kinds and dtypes, and
-sizes where ``count`` is not given) must not depend on the data, so that it is the same on every
-worker; a protocol says which round is its last (``last=True``), so the engine knows when it may stop
-waiting and return to backward.
-
-The :class:`Outcome` says what was sent on the worker's behalf, for error feedback and telemetry
-(``subtract``), and how to write the aggregated result (``write``).
 """
 
 from __future__ import annotations
@@ -39,7 +19,8 @@ from torch import Tensor
 
 @dataclass
 class Mean:
-    """Average ``tensor`` over workers (one ``all_reduce`` sum of ``tensor / N``)."""
+    """Average ``tensor`` over workers (one ``all_reduce`` sum of ``tensor / N``: a 16-bit sum stays in range
+    whenever each worker's value does). Result: a tensor of the same shape and dtype."""
 
     tensor: Tensor
 
@@ -47,6 +28,7 @@ class Mean:
 @dataclass
 class Gather:
     """Every worker's ``parts`` (1-D tensors), packed into one ``all_gather`` with the bucket's others.
+    Result: a list, one :class:`Received` per worker (in rank order).
 
     Attributes:
         parts: the tensors to send.
@@ -86,9 +68,8 @@ Request = Union[Mean, Gather, AllToAll]
 
 
 def stacked(rows: Sequence[Received], index: int) -> Tensor:
-    """Part ``index`` of every worker's :class:`Received`, as one ``(N, numel)`` tensor: a strided view
-    without a copy when the parts lie at a constant distance in one buffer (the rows of a gathered
-    buffer), else a stack. Read-only, like every result."""
+    """Part ``index`` of every worker's :class:`Received`, as one ``(N, numel)`` tensor (:func:`stack_views`).
+    Read-only, like every result."""
     return stack_views([row.parts[index] for row in rows])
 
 
@@ -108,7 +89,10 @@ def stack_views(parts: Sequence[Tensor]) -> Tensor:
 
 @dataclass
 class Round:
-    """The requests of one round of a protocol; ``last`` marks the protocol's final round."""
+    """The requests of one round of a protocol; ``last`` marks the protocol's final round. Its results, one per
+    request in order, are **read-only** (in the simulation every worker receives the same tensor). The rounds
+    and their requests (kinds, dtypes, and sizes where no ``count`` is given) must not depend on the data, so
+    that they are the same on every worker."""
 
     requests: Sequence[Request]
     last: bool = False

@@ -93,17 +93,15 @@ def index_sum_(out: Tensor, index: Tensor, values: Tensor, alpha: float = 1.0) -
     r"""``out[index[i]] += alpha · values[i]`` for every ``i`` (``out`` 1-D), where ``index`` may repeat — several
     workers' coordinates summed in one operation — with the same sums on every run and on every rank.
 
-    On the CPU this is ``index_add_``, which adds in order. On a GPU ``index_add_`` (like ``scatter_add_``)
-    adds repeated indices by atomics in an order that varies from run to run, and so from rank to rank:
-    ranks that decode the same gathered payloads would get gradients that differ in the last bits, and
-    DDP's replicas, which are never re-synchronised, would drift apart. There the values go through
-    ``index_put_(accumulate=True)``, whose CUDA kernel (ROCm's too) sorts the indices stably and adds each
-    one's repeats in a fixed order (PyTorch's deterministic implementation, see
-    ``torch.use_deterministic_algorithms``): the same bits on GPUs of one model and software stack. (MPS
-    adds by atomics even there.) The values are scaled first (``alpha ≠ 1``), so in fp32 and fp64 a
-    coordinate with fewer than 32 repeats gets the numbers of ``index_add_`` in order (one rounding of each
-    product either way); a 16-bit output gets the product rounded to its dtype, and CUDA sums the repeats
-    in fp32 before one rounding. The indices go as int64, which that kernel sorts.
+    On the CPU this is ``index_add_``, which adds in order. On a GPU ``index_add_`` adds repeated indices by
+    atomics in no fixed order, so ranks decoding the same payloads would drift apart (DDP never
+    re-synchronises its replicas): there the values go through ``index_put_(accumulate=True)``, whose CUDA
+    (and ROCm) kernel sorts the indices stably and adds each one's repeats in a fixed order (PyTorch's
+    deterministic implementation, see ``torch.use_deterministic_algorithms``: the same bits on GPUs of one
+    model and software stack; MPS adds by atomics even there). The values are scaled first (``alpha ≠ 1``):
+    in fp32 and fp64 a coordinate with fewer than 32 repeats gets the numbers of ``index_add_`` in order; a
+    16-bit output gets the product rounded to its dtype, and CUDA sums the repeats in fp32 before one
+    rounding. The indices go as int64, which that kernel sorts.
     """
     if host_reads_allowed(out.device):
         return out.index_add_(0, index, values, alpha=alpha)

@@ -43,14 +43,13 @@ def pack(world_size: int, compressor: Compressor, ranks: list[dict[str, Any]], l
 
 def gather_entry(hook_state: Any, compressor: Compressor, local: Optional[dict[str, Any]] = None,
                  group: Optional[dist.ProcessGroup] = None) -> Optional[dict[str, Any]]:
-    """Collective over ``hook_state``'s ``checkpoint_group`` (the exchange's group; the whole world in
-    hierarchical mode; ``hook_state`` is an :class:`~lightning_gradcomp.exchange.session.ExchangeSession`,
-    typed loosely since the session imports this module): every rank's state, packed on the group's first rank (``None`` on the others).
-    ``local``: this rank's local-update state (:mod:`lightning_gradcomp.local`), kept as its ``"local"``.
-    Every rank of the group must call it. The states (CPU copies) travel over a gloo group of the same
-    ranks (:meth:`~lightning_gradcomp.exchange.session.ExchangeSession.gather_group`, or ``group``: the plain
-    handles' own, made with their ``timeout``, see :func:`checkpoint_group`): an NCCL gather of objects
-    would stage every rank's pickled state in the first rank's GPU memory.
+    """Collective over ``hook_state``'s ``checkpoint_group`` (``hook_state``: an
+    :class:`~lightning_gradcomp.exchange.session.ExchangeSession`, typed loosely since the session imports this
+    module): every rank's state, packed on the group's first rank (``None`` on the others); ``local``: this
+    rank's local-update state, kept as its ``"local"``. Every rank of the group must call it. The states travel
+    over a gloo group of the same ranks, not through GPU memory
+    (:meth:`~lightning_gradcomp.exchange.session.ExchangeSession.gather_group`, or ``group``: the plain
+    handles' own, see :func:`checkpoint_group`).
 
     Raises:
         CheckpointTimeout: ``group`` was given and the other ranks did not join within its timeout (a
@@ -60,9 +59,7 @@ def gather_entry(hook_state: Any, compressor: Compressor, local: Optional[dict[s
     world_size, rank = dist.get_world_size(gather_group), dist.get_rank(gather_group)
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     destination = dist.get_global_rank(gather_group, 0) if gather_group is not None else 0
-    state = hook_state.state_dict()
-    if local is not None:
-        state["local"] = local
+    state = {**hook_state.state_dict(), **({"local": local} if local is not None else {})}
     try:
         dist.gather_object(state, gathered, dst=destination, group=gather_group)
     except RuntimeError as error:
@@ -80,15 +77,10 @@ def gather_entry(hook_state: Any, compressor: Compressor, local: Optional[dict[s
 
 def own_entry(hook_state: Any, compressor: Compressor, rank: int, world_size: int,
               local: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """This rank's part of the checkpoint entry, with no collective: :func:`gather_entry`'s format with only
-    slot ``rank`` of ``ranks`` filled (``None`` in the others) and ``"part": rank``. ``rank`` and
-    ``world_size``: this rank's position among the entry's workers (as the handle's ``load_state_dict``
-    reads it). ``local``: this rank's local-update state, kept as its ``"local"``."""
-    state = hook_state.state_dict()
-    if local is not None:
-        state["local"] = local
+    """This rank's part of the checkpoint entry (see the module's docstring), with no collective. ``rank`` and
+    ``world_size``: this rank's position among the entry's workers; ``local``: as for :func:`gather_entry`."""
     ranks: list[Optional[dict[str, Any]]] = [None] * world_size
-    ranks[rank] = state
+    ranks[rank] = {**hook_state.state_dict(), **({"local": local} if local is not None else {})}
     return {**pack(world_size, compressor, ranks, hook_state.layout), "part": rank}
 
 

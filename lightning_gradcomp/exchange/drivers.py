@@ -1,23 +1,11 @@
 """The drivers of the exchange engine: the collectives, and the count of the bytes they send.
 
-* :class:`TorchDriver` issues them through ``torch.distributed`` (inside the DDP hook).
-* :class:`InProcessDriver` runs N simulated workers' exchanges in lock-step on one device and combines
-  their collectives in process (a sum in worker order, a stack).
-
-Both count ``bytes_sent`` from the tensors they are handed (payloads, padding and size headers) by the
-package's one definition, :func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent` (an all-reduce
-or all-gather sends its input, an all-to-all its rows for the other ranks: its own row stays), and log
-each collective's ``(kind, input bytes)``, so a real run and a simulation with the same buckets report
-the same bytes by construction. What the network then carries depends on the collective's algorithm;
-see :mod:`lightning_gradcomp.metrics.netmodel`.
-
-Ordering: :class:`TorchDriver` issues every collective from the calling thread, at once, never from a
-future's callback. DDP calls the hook bucket by bucket in the same order on every rank, and the engine's
-sequence of collectives is the same on every rank, so collectives are issued in the same order
-everywhere. (Collectives issued from ``.then()`` callbacks can be reordered between ranks when several
-buckets are in flight, and gloo then pairs mismatched messages.) Intermediate rounds of a multi-round
-protocol (PowerSGD) are waited for in the calling thread; only the decoding after the final round runs
-in a callback, and it issues nothing.
+:class:`TorchDriver` issues them through ``torch.distributed``, every collective from the calling thread
+and never from a future's callback (so in the same order on every rank; only the decoding after the final
+round runs in a callback); :class:`InProcessDriver` runs N simulated workers in lock-step and combines
+their collectives in process. Both count ``bytes_sent`` from the tensors they are handed
+(:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`) and log each collective's ``(kind,
+input bytes)``, so a real run and a simulation with the same buckets report the same bytes.
 
 Failures: on gloo a collective that fails (a peer died, closed its connection or timed out) fails its
 future, and :class:`TorchDriver` raises :class:`CollectiveError` on every rank that waits for it. On
@@ -266,33 +254,36 @@ class InProcessDriver:
         if worker != len(self._protocols):
             raise RuntimeError(f"InProcessDriver: workers start in order; expected {len(self._protocols)}, got {worker}")
         self._protocols.append(protocol)
+        self._turns.append(None)
+        self._reports.append(None)
+        self._send(worker, None)
+
+    def _send(self, worker: int, results: Optional[list[Tensor]]) -> None:
+        """Hand worker ``worker``'s protocol its results (``None``: start it): its next round, or its report."""
         try:
-            self._turns.append(next(protocol))
-            self._reports.append(None)
+            self._turns[worker] = self._protocols[worker].send(results)
         except StopIteration as stop:
-            self._turns.append(None)
-            self._reports.append(stop.value)
+            self._turns[worker], self._reports[worker] = None, stop.value
 
     def all_reduce(self, tensors: list[Tensor]) -> Tensor:
         """A dense all-reduce (sum) of every worker's tensor, in worker order, in place in worker 0's,
         counted on every worker as :meth:`TorchDriver.all_reduce` counts it on each rank."""
         if len(tensors) != self.workers:
             raise RuntimeError(f"InProcessDriver.all_reduce: {len(tensors)} tensors for {self.workers} workers")
-        for counter, tensor in zip(self.counters, tensors):
-            counter.count(Collective("all_reduce", tensor), self.workers)
-        total = tensors[0]
-        for tensor in tensors[1:]:
-            total.add_(tensor)
-        return total
+        return self._counted("all_reduce", tensors)
 
     def all_gather(self, tensors: list[Tensor]) -> Tensor:
         """Every worker's tensor (the same size on each), one row per worker, counted on every worker as
         :meth:`TorchDriver.all_gather` counts it on each rank."""
         if len(tensors) != self.workers:
             raise RuntimeError(f"InProcessDriver.all_gather: {len(tensors)} tensors for {self.workers} workers")
+        return self._counted("all_gather", [tensor.reshape(-1) for tensor in tensors])
+
+    def _counted(self, kind: str, tensors: list[Tensor]) -> Tensor:
+        """A collective of every worker's tensor, counted on every worker."""
         for counter, tensor in zip(self.counters, tensors):
-            counter.count(Collective("all_gather", tensor), self.workers)
-        return torch.stack([tensor.reshape(-1) for tensor in tensors])
+            counter.count(Collective(kind, tensor), self.workers)
+        return _combined(kind, tensors)
 
     def finish(self) -> list[BucketReport]:
         """Run the remaining rounds of every worker in lock-step; each worker's report."""
@@ -300,13 +291,8 @@ class InProcessDriver:
             raise RuntimeError(f"InProcessDriver: {len(self._protocols)} of {self.workers} workers started")
         try:
             while any(turn is not None for turn in self._turns):
-                results = self._combine()
-                for worker, protocol in enumerate(self._protocols):
-                    try:
-                        self._turns[worker] = protocol.send(results[worker])
-                    except StopIteration as stop:
-                        self._turns[worker] = None
-                        self._reports[worker] = stop.value
+                for worker, results in enumerate(self._combine()):
+                    self._send(worker, results)
             return [report for report in self._reports if report is not None]
         finally:
             self._protocols, self._turns, self._reports = [], [], []
@@ -318,12 +304,9 @@ class InProcessDriver:
             raise RuntimeError("gradcomp simulation: the workers' exchanges have different numbers of rounds")
         first = turns[0].collectives
         for worker, turn in enumerate(turns):
-            shape = [(c.kind, c.tensor.dtype, c.tensor.numel()) for c in turn.collectives]
-            if shape != [(c.kind, c.tensor.dtype, c.tensor.numel()) for c in first]:
-                raise RuntimeError(
-                    f"gradcomp simulation: worker {worker} hands over {shape}, worker 0 "
-                    f"{[(c.kind, c.tensor.dtype, c.tensor.numel()) for c in first]}"
-                )
+            if _shape(turn.collectives) != _shape(first):
+                raise RuntimeError(f"gradcomp simulation: worker {worker} hands over {_shape(turn.collectives)}, "
+                                   f"worker 0 {_shape(first)}")
             for collective in turn.collectives:
                 self.counters[worker].count(collective, self.workers)
         results: list[list[Tensor]] = [[] for _ in turns]
@@ -334,15 +317,25 @@ class InProcessDriver:
                 for worker, worker_results in enumerate(results):
                     worker_results.append(rows[:, worker])
                 continue
-            if collective.kind == "all_reduce":  # in place in worker 0's tensor, as all_reduce does on a rank
-                combined = tensors[0]
-                for tensor in tensors[1:]:
-                    combined.add_(tensor)
-            else:
-                combined = torch.stack(tensors)
+            combined = _combined(collective.kind, tensors)
             for worker_results in results:
                 worker_results.append(combined)
         return results
+
+
+def _shape(collectives: list[Collective]) -> list[tuple[str, torch.dtype, int]]:
+    """What a round's collectives must agree on between workers: kind, dtype and size of each."""
+    return [(c.kind, c.tensor.dtype, c.tensor.numel()) for c in collectives]
+
+
+def _combined(kind: str, tensors: list[Tensor]) -> Tensor:
+    """Every worker's tensor combined: an ``all_reduce``'s sum in worker order, in place in worker 0's tensor
+    (as all_reduce does on a rank), else a stack."""
+    if kind != "all_reduce":
+        return torch.stack(tensors)
+    for tensor in tensors[1:]:
+        tensors[0].add_(tensor)
+    return tensors[0]
 
 
 def _decode(protocol: BucketProtocol, results: list[Tensor]) -> BucketReport:

@@ -3,34 +3,12 @@
 ``bucket -> protocols (error feedback, compressor) -> rounds of collectives -> aggregate``
 
 :meth:`ExchangeEngine.bucket` is a generator that a driver runs: it yields a :class:`CollectiveRound`
-(the collectives to issue, and whether it is the bucket's final round) and receives their results.
-
-* Parameters below ``min_compress_numel`` elements (biases, norms) are averaged uncompressed, by one
-  protocol for all of them; the others go through the worker's
-  :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline` (error feedback around the compressor's
-  protocol): by one protocol for the whole bucket where the compressor compresses whole buckets on
-  this device (:meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment`, a flat buffer
-  laid out by :class:`~lightning_gradcomp.core.segments.Segments`: a fixed number of kernels per
-  bucket on a GPU), else by one protocol per tensor.
-* The protocols are advanced in lock-step; the requests of one round are merged: all
-  :class:`~lightning_gradcomp.core.protocol.Mean` requests of one dtype into one flat tensor
-  (divided by ``N``, then summed by one ``all_reduce``), all
-  :class:`~lightning_gradcomp.core.protocol.Gather` requests into one uint8 buffer (one
-  ``all_gather``; see :mod:`~lightning_gradcomp.exchange.wire`). When a gathered size depends on the
-  data, the counts go first in a small ``all_gather`` and every worker pads to the largest buffer (gloo
-  needs equal sizes).
-  :class:`~lightning_gradcomp.core.protocol.AllToAll` requests go into one ``all_to_all`` of ``N``
-  equal rows, row ``c`` holding every tensor's parts for worker ``c``.
-* Tensors are taken in the order of their names, so the layout of a bucket does not depend on the
-  order DDP lists them in, and a simulation with the same buckets hands over the same bytes.
-* Non-finite gradients: one reduction per gradient on the CPU, one multi-tensor reduction per bucket
-  elsewhere (or found by the compressor while it compresses, from Top-k's block peaks); a one-element flag (0, or NaN when this worker's
-  gradients of the bucket were not all finite) rides in the bucket's final round. When the summed flag
-  is NaN, every worker's result for the bucket is NaN (as DDP's all-reduce would carry it) and no
-  worker updates its memory for the bucket (see :class:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline`).
-
-The sequence of collectives depends only on the bucket's parameters, the compressor and the counts
-exchanged in the headers, so it is the same on every worker: drivers may issue it as it comes.
+(the collectives to issue, and whether it is the bucket's final round) and receives their results. How a
+bucket is routed and its requests merged: docs/architecture.md, steps 4-5 (tensors taken in the order of
+their names, so that a simulation with the same buckets hands over the same bytes); finiteness:
+:class:`BucketVerdict`. The sequence of collectives depends only on the bucket's parameters, the
+compressor and the counts exchanged in the headers, so it is the same on every worker: drivers may issue
+it as it comes.
 """
 
 from __future__ import annotations
@@ -149,8 +127,8 @@ class ExchangeEngine:
             self.pipeline.compressor.check_gradient_dtype(key[1])
             self._checked_dtypes.add(key)
         device = entries[0].grad.device if entries else torch.device("cpu")
-        contexts = [self.pipeline.context(entry.name, entry.shape, step, rank, world_size, self.seed, None,
-                                          entry.grad.dtype) for entry in entries]
+        contexts = [CompressContext(entry.name, step, rank, world_size, self.seed, self.pipeline.memory.state(entry.name),
+                                    tuple(entry.shape), None, entry.grad.dtype) for entry in entries]
         units = self._units(entries, contexts, device)
         protocols = [protocol for protocol, _ in units]
         names = [entries[members[0]].name for _, members in units]
@@ -162,7 +140,7 @@ class ExchangeEngine:
         while pending:
             final = all(turn.last for turn in pending.values())
             merged = _MergedRound(pending, rank, world_size, device, verdict.flag() if final else None)
-            if merged.needs_header:
+            if merged.dynamic:
                 (counts,) = yield CollectiveRound([Collective("all_gather", merged.header())], final=False)
                 merged.read_header(counts)
             results = yield CollectiveRound(merged.collectives(), final)
@@ -198,9 +176,8 @@ class ExchangeEngine:
         """The bucket's protocols and the entries each covers: one for the tensors sent dense, then one
         for all compressed tensors where the compressor compresses whole buckets (it declares ``"whole_bucket"``
         and :meth:`~lightning_gradcomp.compressors.base.Compressor.segment_alignment` gives an alignment on this
-        device), else one per
-        compressed tensor. Sets the finiteness of every tensor the compressor does not check itself
-        (one multi-tensor reduction)."""
+        device), else one per compressed tensor. Sets the finiteness of every tensor the compressor does not
+        check itself (one multi-tensor reduction)."""
         compressor = self.pipeline.compressor
         dense = [index for index, entry in enumerate(entries) if not self._compressed(entry)]
         compressed = [index for index, entry in enumerate(entries) if self._compressed(entry)]
@@ -213,21 +190,20 @@ class ExchangeEngine:
         checked = dense if align is not None or compressor.checks_finite else dense + compressed
         for index, finite in zip(checked, all_finite_many([entries[index].grad for index in checked])):
             contexts[index].finite = finite
+
+        def pick(indices: list[int]) -> tuple[list[Tensor], list[CompressContext], list[Optional[Tensor]]]:
+            """The gradients, contexts and outputs of these entries."""
+            return [entries[i].grad for i in indices], [contexts[i] for i in indices], [entries[i].out for i in indices]
+
         units: list[tuple[Generator[Round, list, int], list[int]]] = []
         if dense and bucket_alignment is not None and "dense_segments" in compressor.capabilities:
             segments = self._segments([entries[index] for index in dense], 1)
-            units.append((self.pipeline.dense_segments_protocol(segments, [entries[index].grad for index in dense],
-                                                                [contexts[index] for index in dense],
-                                                                [entries[index].out for index in dense]), dense))
+            units.append((self.pipeline.dense_segments_protocol(segments, *pick(dense)), dense))
         elif dense:
-            units.append((self.pipeline.dense_bucket_protocol([entries[index].grad for index in dense],
-                                                              [contexts[index] for index in dense],
-                                                              [entries[index].out for index in dense]), dense))
+            units.append((self.pipeline.dense_bucket_protocol(*pick(dense)), dense))
         if align is not None:
             segments = self._segments([entries[index] for index in compressed], align)
-            units.append((self.pipeline.segments_protocol(segments, [entries[index].grad for index in compressed],
-                                                          [contexts[index] for index in compressed],
-                                                          [entries[index].out for index in compressed]), compressed))
+            units.append((self.pipeline.segments_protocol(segments, *pick(compressed)), compressed))
         else:
             units += [(self.pipeline.protocol(entries[index].grad, contexts[index], entries[index].out), [index])
                       for index in compressed]
@@ -254,7 +230,7 @@ class ExchangeEngine:
                     f"not set ctx.finite for {ctx.name!r}"
                 )
         verdict = BucketVerdict([ctx.finite for ctx in contexts], device)
-        self.pipeline.note_nonfinite(contexts, verdict.stacked)
+        self.pipeline.nonfinite.note(contexts, verdict.stacked)
         return verdict
 
     def _clock(self, clock: Stopwatch, device: torch.device):
@@ -422,10 +398,6 @@ class _MergedRound:
         self.exchange_slots: list[list[wire.Slot]] = []  # the layout of the rows this worker receives
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def needs_header(self) -> bool:
-        return bool(self.dynamic)
-
     def header(self) -> Tensor:
         """This worker's data-dependent counts (int32, one per dynamic request)."""
         counts = torch.tensor([request.count for request in self.dynamic], dtype=torch.int32)

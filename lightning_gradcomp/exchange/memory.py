@@ -9,28 +9,16 @@ Error feedback (Seide et al. 2014; Stich et al. 2018; Sahu et al. 2021, Alg. 1):
 so that ``C(p_t) + e_{t+1} == p_t``. For sparsifiers the invariant holds bit for bit: the residual is
 ``p_t`` with the sent coordinates set to exactly zero.
 
-Residuals are kept in fp32 (fp64 for fp64 gradients) whatever the gradient's dtype
-(:func:`~lightning_gradcomp.core.device.state_dtype`): with bf16 or fp16 parameters a small
-gradient added to a larger residual would otherwise round away, and error feedback would stop
-delivering it. ``p_t`` is formed in that dtype; only what the compressor sends is cast.
-
-A compressor that compresses whole buckets (:class:`~lightning_gradcomp.core.segments.Segments`) finds
-the residuals of a bucket in one flat buffer (:meth:`CompressionMemory.compensate_bucket`): the
-per-name residuals are then views into it, so checkpoints and per-parameter access are unchanged, and
-the buffer is rebuilt from them only when the layout changes (DDP's bucket rebuild, a restored
-checkpoint). Flat compressor state works the same way (:meth:`CompressionMemory.bucket_state`).
-
-Everything is keyed by parameter *name*, never by DDP bucket index (DDP rebuilds its buckets after the
-first step), and is part of the checkpoint. A residual is never poisoned by a non-finite gradient: on
-a step where the worker's gradient of a parameter is not finite, that parameter's residual is left as
-it was (see :mod:`lightning_gradcomp.exchange.pipeline` for what the exchange does on such a step).
-
-Cost: ``p_t`` is written into a buffer kept from the previous step (on CPU, where a fresh allocation of
-a large tensor costs page faults, about two extra passes over memory), and becomes the residual once
-the exchange is done, while the previous residual becomes the next step's buffer. The previous residual
-is left intact until then, so a step made void after the exchange (another worker's gradient was not
-finite) keeps it exactly. On accelerators the caching allocator makes fresh tensors cheap, and no
-buffer is kept (it would double the memory).
+Residuals and compressor state are kept in fp32 (fp64 for fp64 gradients) whatever the gradient's dtype
+(:func:`~lightning_gradcomp.core.device.state_dtype`; with bf16 or fp16 a small gradient added to a larger
+residual would round away); ``p_t`` is formed in that dtype, only what is sent is cast. Everything is keyed
+by parameter *name* (DDP rebuilds its buckets after the first step) and is part of the checkpoint; a
+parameter whose gradient is not finite keeps its residual as it was. A bucket compressed whole finds its
+residuals and state in one flat buffer whose views are the per-name ones
+(:meth:`CompressionMemory.compensate_bucket`, :meth:`CompressionMemory.bucket_state`), rebuilt only when
+the layout changes. On CPU ``p_t`` goes into a buffer kept from the previous step (a fresh large allocation
+costs page faults), and the previous residual stays intact until the exchange is done, so a step made void
+afterwards keeps it exactly; on accelerators no buffer is kept.
 """
 
 from __future__ import annotations
@@ -77,14 +65,14 @@ class CompressionMemory:
         residual, or ``None`` when it was left unchanged.
         """
         if finite is False:
-            self._keep_spare(name, corrected)
+            self._keep_spare(self._spares, name, corrected)
             return None
         subtract(corrected)
         previous = self.residuals.get(name)
         residual = keep_if_finite(corrected, previous, finite, in_place=True)
         self.residuals[name] = residual
         if residual is corrected and previous is not None:
-            self._keep_spare(name, previous)
+            self._keep_spare(self._spares, name, previous)
         return residual
 
     # ------------------------------------------------------------------ whole buckets
@@ -109,7 +97,7 @@ class CompressionMemory:
         the bucket's verdict; ``gaps_stay_zero``: ``subtract`` leaves the gaps zero). The per-name residuals
         become views of it."""
         if finite is False:
-            self._keep_bucket_spare(segments, corrected)
+            self._keep_spare(self._bucket_spares, segments.key, corrected)
             return None
         subtract(corrected)
         if not gaps_stay_zero:
@@ -119,7 +107,7 @@ class CompressionMemory:
         residual = keep_if_finite(corrected, previous, finite, in_place=True)
         self._adopt(self.residuals, key, segments, residual)
         if residual is corrected and previous is not None:
-            self._keep_bucket_spare(segments, previous)
+            self._keep_spare(self._bucket_spares, segments.key, previous)
         return residual
 
     def bucket_state(self, segments: Segments, key: str, dtype: torch.dtype, device: torch.device,
@@ -148,10 +136,7 @@ class CompressionMemory:
             return None
         flat = torch.zeros(segments.total, dtype=dtype, device=device)
         for value, target, shape in zip(values, segments.views(flat), segments.shapes):
-            # another shape is none, as per tensor: a shaped state's (DeMo's tiles after a change of `chunk`),
-            # or a flat one held with more dimensions (DeMo's tiles of a tensor now sent dense)
-            if value is not None and (tuple(value.shape) == shape if shaped
-                                      else value.dim() <= 1 and value.numel() == target.numel()):
+            if state_fits(value, shape, target.numel(), shaped):
                 target.copy_(value.reshape(-1))
         self._adopt(store, key, segments, flat, shaped)
         return flat
@@ -171,13 +156,10 @@ class CompressionMemory:
             self._bucket_spares.pop(other[-1], None)
         self._flats[key] = (flat, views)
 
-    def _keep_bucket_spare(self, segments: Segments, buffer: Tensor) -> None:
+    @staticmethod
+    def _keep_spare(spares: dict, key: Any, buffer: Tensor) -> None:
         if buffer.device.type == "cpu":
-            self._bucket_spares[segments.key] = buffer
-
-    def _keep_spare(self, name: str, buffer: Tensor) -> None:
-        if buffer.device.type == "cpu":
-            self._spares[name] = buffer
+            spares[key] = buffer
 
     def state(self, name: str) -> dict[str, Tensor]:
         """The mutable compressor state of one parameter (created empty)."""
@@ -211,6 +193,14 @@ class CompressionMemory:
         self.states = {
             name: {k: v.to(device, copy=True) for k, v in s.items()} for name, s in state.get("states", {}).items()
         }
+
+
+def state_fits(value: Optional[Tensor], shape: tuple[int, ...], numel: int, shaped: bool) -> bool:
+    """Whether a kept state is one of a tensor of ``shape`` and ``numel`` elements: of that shape if
+    ``shaped``, else 1-D of ``numel`` elements. Another shape is none, as per tensor: a shaped state's
+    (DeMo's tiles after a change of `chunk`), or a flat one held with more dimensions (DeMo's tiles of a
+    tensor now sent dense)."""
+    return value is not None and (tuple(value.shape) == shape if shaped else value.dim() <= 1 and value.numel() == numel)
 
 
 class _StateColumn:

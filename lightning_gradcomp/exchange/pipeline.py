@@ -13,7 +13,7 @@ import math
 import threading
 import warnings
 from collections import deque
-from typing import Any, Generator, Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -22,14 +22,8 @@ from lightning_gradcomp.compressors.base import CompressContext, Compressor, tak
 from lightning_gradcomp.core.device import host_reads_allowed, state_dtype
 from lightning_gradcomp.core.protocol import Mean, Outcome, Round, SegmentsOutcome
 from lightning_gradcomp.core.segments import Segments, SegmentsState
-from lightning_gradcomp.core.tensors import (
-    all_finite,
-    all_finite_many,
-    Finite,
-    flag_vector,
-    squared_norm,
-)
-from lightning_gradcomp.exchange.memory import CompressionMemory
+from lightning_gradcomp.core.tensors import all_finite, all_finite_many, flag_vector, squared_norm
+from lightning_gradcomp.exchange.memory import CompressionMemory, state_fits
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 
 MAX_NUMEL = 2**31 - 1
@@ -51,22 +45,16 @@ def resolve_error_feedback(compressor: Compressor, error_feedback: Optional[bool
 
 
 class WorkerPipeline:
-    """Compress one worker's gradients with that worker's own memory.
+    """Compress one worker's gradients with that worker's own memory (fp32 state, see
+    :mod:`~lightning_gradcomp.exchange.memory`; what crosses the wire is cast to :attr:`CompressContext.dtype`).
 
-    Non-finite gradients (NaN or Inf; found by one reduction per gradient, :func:`all_finite`, or by the
-    compressor from its block peaks, :attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`,
-    which then judges ``g + e`` under error feedback): the engine makes the result of the bucket NaN on
-    every worker, like DDP's all-reduce would (so AMP's GradScaler skips the step on every rank, and
-    without AMP the loss shows it), and the step is void for the bucket's memory on every worker:
-    residuals and the state a compressor keeps after the exchange (PowerSGD's ``Q``) stay as they were,
-    and no compression error is recorded. The worker that saw the values also leaves the state a
-    compressor updates while compressing (DGC's momentum and velocity) of that parameter unchanged (on
-    the other workers it advances), and names the parameters in a warning at the end of the step
-    (:attr:`nonfinite`; on accelerators once the flags have reached the host, see
-    :class:`NonfiniteWatch`).
-
-    Residuals and compressor state are fp32 whatever the gradient's dtype (fp64 for fp64); what crosses
-    the wire is cast to the gradient's dtype (:attr:`CompressContext.dtype`).
+    Non-finite gradients (found by :func:`all_finite`, or by the compressor from its block peaks,
+    :attr:`~lightning_gradcomp.compressors.base.Compressor.checks_finite`, judging ``g + e`` under error
+    feedback) make the bucket's step void on every worker
+    (:class:`~lightning_gradcomp.exchange.engine.BucketVerdict`: NaN results, memory unchanged, no
+    compression error recorded). The worker that saw them also leaves the state its compressor updates
+    while compressing (DGC's momentum and velocity) unchanged, and names the parameters in a warning at
+    the end of the step (:attr:`nonfinite`, :class:`NonfiniteWatch`).
 
     Args:
         compressor: shared by all workers (it holds hyper-parameters only).
@@ -82,11 +70,6 @@ class WorkerPipeline:
         self.telemetry = False
         self.nonfinite = NonfiniteWatch()
 
-    def context(self, name: str, shape: tuple[int, ...], step: int, rank: int, world_size: int, seed: int,
-                finite: Optional[Finite] = True, dtype: Optional[torch.dtype] = None) -> CompressContext:
-        return CompressContext(name, step, rank, world_size, seed, self.memory.state(name), tuple(shape), finite,
-                               dtype)
-
     def protocol(self, view: Tensor, ctx: CompressContext, out: Optional[Tensor]) -> Generator[Round, list, int]:
         """``C(g + e)`` exchanged by the compressor's protocol, then error feedback
         ``e_{t+1} = p_t − C(p_t)``, telemetry, and the aggregate written to ``out`` (``None``: not
@@ -99,8 +82,11 @@ class WorkerPipeline:
         corrected = self.memory.compensate(ctx.name, view) if self.error_feedback else None
         tensor = view if corrected is None else corrected
         outcome: Outcome = yield from self.compressor.exchange(tensor, ctx)
-        if corrected is not None:
-            self._remember(ctx, corrected, outcome)
+        if corrected is not None:  # error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``
+            input_sq = squared_norm(corrected) if self.telemetry and ctx.finite is not False else None
+            residual = self.memory.update(ctx.name, corrected, outcome.subtract, ctx.finite)
+            if input_sq is not None and residual is not None:
+                self.recorder.add(ctx.name, squared_norm(residual), input_sq, outcome.count, corrected.numel(), ctx.finite)
         elif self.telemetry and ctx.finite is not False:
             error_sq, input_sq = self.compressor.compression_error(tensor, outcome, ctx)
             self.recorder.add(ctx.name, error_sq, input_sq, outcome.count, view.numel(), ctx.finite)
@@ -120,19 +106,19 @@ class WorkerPipeline:
                 error = (squared_norm(view - value.to(view.dtype)) if value.dtype != view.dtype
                          else torch.zeros((), dtype=torch.float64, device=view.device))
                 self.recorder.add(ctx.name, error, squared_norm(value), view.numel(), view.numel(), ctx.finite)
-        means = yield Round([Mean(value) for value in sent], last=True)
-        written = [(out, mean) for out, mean in zip(outs, means) if out is not None]
-        if written:
-            torch._foreach_copy_([out for out, _ in written], [mean for _, mean in written])
-            self._finalize_dense(outs, contexts)
+        self._write_dense(outs, (yield Round([Mean(value) for value in sent], last=True)), contexts)
         return sum(view.numel() for view in views)
 
-    def _finalize_dense(self, outs: Sequence[Optional[Tensor]], contexts: Sequence[CompressContext]) -> None:
-        """The compressor's step after the dense average (DeMo's sign), where it has one."""
-        if "finalize_dense" in self.compressor.capabilities:
-            written = [(out, ctx) for out, ctx in zip(outs, contexts) if out is not None]
-            if written:
-                self.compressor.finalize_dense_many([out for out, _ in written], [ctx for _, ctx in written])
+    def _write_dense(self, outs: Sequence[Optional[Tensor]], results: Sequence[Tensor],
+                     contexts: Sequence[CompressContext]) -> None:
+        """The dense averages into ``outs`` (one multi-tensor copy), then the compressor's step after the
+        dense average (DeMo's sign), where it has one."""
+        written = [(out, result, ctx) for out, result, ctx in zip(outs, results, contexts) if out is not None]
+        if written:
+            targets, values, owners = map(list, zip(*written))
+            torch._foreach_copy_(targets, values)
+            if "finalize_dense" in self.compressor.capabilities:
+                self.compressor.finalize_dense_many(targets, owners)
 
     def dense_segments_protocol(self, segments: Segments, views: Sequence[Tensor],
                                 contexts: Sequence[CompressContext], outs: Sequence[Optional[Tensor]]
@@ -153,10 +139,7 @@ class WorkerPipeline:
             self.recorder.add_many(segments.names, error, _squared_norms(sent_views), segments.numels,
                                    segments.numels, verdict)
         (mean,) = yield Round([Mean(sent)], last=True)
-        written = [(out, result) for out, result in zip(outs, segments.views(mean)) if out is not None]
-        if written:
-            torch._foreach_copy_([out for out, _ in written], [result for _, result in written])
-            self._finalize_dense(outs, contexts)
+        self._write_dense(outs, segments.views(mean), contexts)
         return segments.total
 
     def segments_protocol(self, segments: Segments, views: Sequence[Tensor], contexts: Sequence[CompressContext],
@@ -223,19 +206,6 @@ class WorkerPipeline:
             torch._foreach_copy_([out for out, _ in written], [results[index] for _, index in written])
         return sum(outcome.counts)
 
-    def note_nonfinite(self, contexts: Sequence[CompressContext], stacked: Optional[Tensor] = None) -> None:
-        """Remember the parameters whose gradient this worker found not finite (or may have, on
-        accelerators), for :attr:`nonfinite`; the engine calls it once per bucket (``stacked``: the
-        contexts' tensor flags, stacked in order, if the caller has them)."""
-        self.nonfinite.note(contexts, stacked)
-
-    def _remember(self, ctx: CompressContext, corrected: Tensor, outcome: Outcome) -> None:
-        """Error feedback: ``e_{t+1} = p_t − C(p_t)``, computed in the storage of ``p_t``."""
-        input_sq = squared_norm(corrected) if self.telemetry and ctx.finite is not False else None
-        residual = self.memory.update(ctx.name, corrected, outcome.subtract, ctx.finite)
-        if input_sq is not None and residual is not None:
-            self.recorder.add(ctx.name, squared_norm(residual), input_sq, outcome.count, corrected.numel(), ctx.finite)
-
 
 class _FlatState(SegmentsState):
     """A worker's compressor state of one bucket, in flat buffers of its memory."""
@@ -252,12 +222,9 @@ class _FlatState(SegmentsState):
         return self.memory.bucket_state(layout or self.segments, key, self.dtype, self.device, layout is not None)
 
     def present(self, key: str, layout: Optional[Segments] = None) -> list[bool]:
-        segments = layout or self.segments
-        found = [self.memory.states.get(name, {}).get(key) for name in segments.names]
-        if layout is not None:  # a shaped state of another shape is none (as :meth:`get` reads it)
-            return [value is not None and tuple(value.shape) == shape for value, shape in zip(found, segments.shapes)]
-        return [value is not None and value.dim() <= 1 and value.numel() == numel
-                for value, numel in zip(found, segments.numels)]
+        segments = layout or self.segments  # a state of another shape is none (as :meth:`get` reads it)
+        return [state_fits(self.memory.states.get(name, {}).get(key), shape, numel, layout is not None)
+                for name, shape, numel in zip(segments.names, segments.shapes, segments.numels)]
 
     def commit(self, key: str, new: Tensor, layout: Optional[Segments] = None, check_result: bool = False) -> None:
         segments = layout or self.segments
@@ -366,7 +333,8 @@ class NonfiniteWatch:
                 return
             finite = stacked if stacked is not None else torch.stack([ctx.finite.reshape(()) for ctx in unsure])
             on_cuda = finite.device.type == "cuda"
-            host = self._host_buffer(finite.numel(), on_cuda)
+            spares = self._spares.get((finite.numel(), on_cuda))  # host buffers read before, kept for reuse
+            host = spares.pop() if spares else torch.empty(finite.numel(), dtype=torch.bool, pin_memory=on_cuda)
             host.copy_(finite, non_blocking=on_cuda)
             event = None
             if on_cuda:
@@ -374,54 +342,35 @@ class NonfiniteWatch:
                 event.record(torch.cuda.current_stream(finite.device))
             self._pending.append((unsure[0].step, [ctx.name for ctx in unsure], host, event))
             if len(self._pending) > self.LIMIT:
-                entry = self._pending.popleft()
-                found = self._read(entry, wait=True)
-                self._recycle(entry)
-                if found[1]:
-                    self._known.extend((found[0], name) for name in found[1])
-
-    def _host_buffer(self, numel: int, pinned: bool) -> Tensor:
-        """A host buffer for one bucket's flags: one read before (kept for reuse), else a new one."""
-        spares = self._spares.get((numel, pinned))
-        if spares:
-            return spares.pop()
-        return torch.empty(numel, dtype=torch.bool, pin_memory=pinned)
+                self._collect(wait=True)
 
     def take(self, block: bool = False) -> list[tuple[int, list[str]]]:
         """``(step, names)`` of the non-finite gradients found since the last call, by step. Device flags
         whose copy has not arrived stay for a later call (``block=True``: wait for them)."""
         with self._lock:
-            found: dict[int, list[str]] = {}
-            for step, name in self._known:
-                found.setdefault(step, []).append(name)
-            self._known = []
             while self._pending:
                 event = self._pending[0][3]
                 if not block and event is not None and not event.query():
                     break
-                entry = self._pending.popleft()
-                step, names = self._read(entry, wait=block)
-                self._recycle(entry)
-                if names:
-                    found.setdefault(step, []).extend(names)
+                self._collect(wait=block)
+            found: dict[int, list[str]] = {}
+            for step, name in self._known:
+                found.setdefault(step, []).append(name)
+            self._known = []
             return sorted(found.items())
 
-    def _recycle(self, entry: tuple[int, list[str], Tensor, Any]) -> None:
-        """Keep a bucket's host buffer, once read, for a later bucket of the same size."""
-        host, pinned = entry[2], entry[3] is not None
-        spares = self._spares.setdefault((host.numel(), pinned), [])
-        if len(spares) < 64:
-            spares.append(host)
-
-    @staticmethod
-    def _read(entry: tuple[int, list[str], Tensor, Any], wait: bool) -> tuple[int, list[str]]:
-        """The names flagged in one bucket's host copy (its bytes, read straight from host memory: the
-        copy has arrived, nothing is dispatched to the device)."""
-        step, names, host, event = entry
+    def _collect(self, wait: bool) -> None:
+        """Add the names flagged in the oldest bucket's host copy to the known ones (its bytes, read straight
+        from host memory: the copy has arrived, nothing is dispatched to the device), and keep its host
+        buffer for a later bucket of the same size."""
+        step, names, host, event = self._pending.popleft()
         if event is not None and wait:
             event.synchronize()
         flags = ctypes.string_at(host.data_ptr(), host.numel())  # 1 where finite
-        return step, [name for name, finite in zip(names, flags) if not finite]
+        self._known.extend((step, name) for name, finite in zip(names, flags) if not finite)
+        spares = self._spares.setdefault((host.numel(), event is not None), [])
+        if len(spares) < 64:
+            spares.append(host)
 
 
 def warn_nonfinite(found: list[tuple[int, list[str]]], rank: int) -> None:

@@ -39,7 +39,7 @@ from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport, Ent
 from lightning_gradcomp.exchange.memory import CompressionMemory
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
-from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
+from lightning_gradcomp.exchange.state import Accounting, restore_worker_state, worker_state
 from lightning_gradcomp.exchange.thread import (
     check_concurrent_communicators,
     concurrent_communicators_allowed,
@@ -52,7 +52,7 @@ from lightning_gradcomp.metrics.stats import logged_bytes_sent, StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 
 
-class ExchangeSession:
+class ExchangeSession(Accounting):
     """The compressed exchange of one model (or one group of shards) on this rank, whatever feeds it.
 
     Args:
@@ -63,28 +63,19 @@ class ExchangeSession:
         min_compress_numel: smaller tensors are sent dense.
         seed: base seed of the compressors' generators, identical on all ranks.
         group: process group (default: the world).
-        exchange_thread: exchange buckets on a thread of their own (in the order DDP hands them over), so
-            compression and every round of communication overlap the rest of backward; ``False`` runs
-            them in the hook (the last round's decoding in a future's callback); ``None`` (default): the
-            thread for CUDA buckets, the hook for CPU ones (on a CPU the thread competes with backward
-            for the same cores; see docs/benchmarks.md), and the hook on NCCL with
-            ``CUDA_DEVICE_MAX_CONNECTIONS=1``, where ``True`` is refused (the ordering rule of
-            :mod:`lightning_gradcomp.exchange.thread`). The thread's collectives use a process group of
-            their own, created here (every rank of ``group`` must construct its state at the same point).
+        exchange_thread: exchange buckets on a thread of their own (:mod:`lightning_gradcomp.exchange.thread`,
+            its own process group, created here); ``False`` runs them in the hook; ``None`` (default): the
+            thread for CUDA buckets, the hook for CPU ones (see docs/benchmarks.md) and on NCCL with
+            ``CUDA_DEVICE_MAX_CONNECTIONS=1``, where ``True`` is refused.
         device: the gradients' device, where known, to decide ``exchange_thread=None`` now (default:
             CUDA when available).
         settings: what else shapes the wire, as ``name -> value`` text (the adapter's: a shard layout,
             local updates' ``H`` and fragments).
         caller: the entry point, for messages.
 
-    Every rank of ``group`` builds its session at the same point: the ranks' settings (the compressor and
-    its hyper-parameters, error feedback, ``min_compress_numel``, ``seed``, the exchange thread and
-    ``settings``) are compared there (:func:`~lightning_gradcomp.exchange.agreement.check_agreement`), and
-    settings that differ raise :class:`~lightning_gradcomp.exchange.agreement.SettingsMismatch` on every rank
-    instead of a hang, an abort or a silent mix of their collectives.
-
-    On CUDA every exchange runs on a stream of its own, in the hook or on the thread (see
-    :mod:`lightning_gradcomp.exchange.thread`), and nothing inside the hook waits for the device.
+    Every rank of ``group`` builds its session at the same point, where the ranks' settings are compared
+    (:func:`~lightning_gradcomp.exchange.agreement.check_agreement`). On CUDA every exchange runs on a stream
+    of its own (:mod:`lightning_gradcomp.exchange.thread`), and nothing inside the hook waits for the device.
 
     A step's figures are closed when the next step's first bucket arrives, if nobody took them before
     (:meth:`take_step_stats`), so a raw hook keeps no more than one step of them.
@@ -117,6 +108,7 @@ class ExchangeSession:
         self.error_feedback = resolve_error_feedback(options.compressor, options.error_feedback)
         self.pipeline = WorkerPipeline(options.compressor, self.error_feedback)
         self.engine = ExchangeEngine(self.pipeline, options.min_compress_numel, options.seed)
+        self.pipelines, self.engines = [self.pipeline], [self.engine]  # the one worker's (Accounting)
         self.driver = TorchDriver(group)
         if exchange_thread is not None:
             check_bool(exchange_thread, "exchange_thread")
@@ -127,12 +119,14 @@ class ExchangeSession:
         #: the group the ranks agree over (the exchange's group at construction; torchft's, swapped in later by
         #: :meth:`use_driver`, is not a torch.distributed group)
         self._agreement_group = group
+        may_use_thread = self.exchange_thread if self.exchange_thread is not None else (
+            device.type == "cuda" if device is not None else torch.cuda.is_available())
         check_agreement({"entry point": caller, "compressor": repr(options.compressor),
                          "error_feedback": str(self.error_feedback),
                          "min_compress_numel": str(options.min_compress_numel), "seed": str(options.seed),
-                         "exchange_thread": str(self._may_use_thread(device)), **(settings or {})},
+                         "exchange_thread": str(may_use_thread), **(settings or {})},
                         group, caller=caller)
-        if self._may_use_thread(device):
+        if may_use_thread:
             self._thread_driver = TorchDriver(exchange_group(group, device))
         _LIVE_STATES.add(self)
         _register_exit_cleanup()
@@ -179,15 +173,6 @@ class ExchangeSession:
         return self.engine.seed
 
     @property
-    def telemetry(self) -> bool:
-        """Measure compression error and time; off, the hook does no extra work."""
-        return self.pipeline.telemetry
-
-    @telemetry.setter
-    def telemetry(self, on: bool) -> None:
-        self.pipeline.telemetry = bool(on)
-
-    @property
     def checkpoint_group(self) -> Optional[dist.ProcessGroup]:
         """The processes whose states one checkpoint entry gathers (the exchange's group)."""
         return self.driver.group
@@ -203,17 +188,6 @@ class ExchangeSession:
         self.pipeline.compressor = compressor
 
     # ------------------------------------------------------------------ accounting
-    @property
-    def totals(self) -> StepStats:
-        """Running totals of every closed step's figures (measured figures read from the device first);
-        part of the checkpoint."""
-        self._read_measurements()
-        return self._totals
-
-    @totals.setter
-    def totals(self, value: StepStats) -> None:
-        self._totals = value
-
     def take_step_stats(self) -> StepStats:
         """The figures of the step that ended since the last call (its last bucket was handed to the
         hook; empty if none did), added to :attr:`totals`; with :attr:`telemetry_due`, its measured
@@ -245,10 +219,7 @@ class ExchangeSession:
         stats.collectives = self._take_collective_log()
         # bytes sent by the package's one definition; node:* collectives (hierarchical mode) are not counted
         stats.bytes_sent = logged_bytes_sent(stats.collectives, self.driver.world_size) if stats.collectives else 0
-        if self.telemetry or self.pipeline.recorder.unread:
-            self.pipeline.recorder.close_step(keep_layers=self.record_layers)
-            self.engine.compress_clock.close_step()
-            self.engine.decompress_clock.close_step()
+        self._close_measurements()
         stats.steps = steps  # steps whose last bucket was handed over (an overlapped one may report later)
         self._totals.add(stats)
         self.tally.add(stats)
@@ -269,8 +240,7 @@ class ExchangeSession:
     def _read_measurements(self) -> None:
         """Bring the measured figures of every closed step to the host (one synchronisation): the last
         step's into its stats, all of them into the totals."""
-        recorder = self.pipeline.recorder
-        clocks = (self.engine.compress_clock, self.engine.decompress_clock)
+        recorder, clocks = self.pipeline.recorder, self._clocks()
         if not recorder.unread and not any(clock.unread for clock in clocks):
             return
         recorder.read(self._last, self._totals)
@@ -319,12 +289,6 @@ class ExchangeSession:
         created on the exchange stream, which later reads and frees them."""
         with self.streams.entered(torch.device(device)):
             self.restore_counters(*restore_worker_state(state, self.memory, device))
-
-    def restore_counters(self, step: int, totals: StepStats, tally: CollectiveTally) -> None:
-        """Continue from a checkpoint's step counter, running totals and tally (the step counts as
-        closed: its figures are in ``totals``)."""
-        self.step = self._closed_step = step
-        self._totals, self.tally = totals, tally
 
     def gather_group(self) -> Optional[dist.ProcessGroup]:
         """The group that gathers checkpoint entries: :attr:`checkpoint_group`, or a gloo group of the
@@ -410,11 +374,6 @@ class ExchangeSession:
         """Count the end of a step whose exchanges were made with ``last=False`` (``register_fsdp``: when the
         backward that exchanged ends)."""
         self.step += 1
-
-    def _may_use_thread(self, device: Optional[torch.device]) -> bool:
-        if self.exchange_thread is not None:
-            return self.exchange_thread
-        return device.type == "cuda" if device is not None else torch.cuda.is_available()
 
     def _use_thread(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.exchange_thread is None else self.exchange_thread

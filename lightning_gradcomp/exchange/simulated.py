@@ -13,13 +13,13 @@ from lightning_gradcomp.compressors.identity import NoCompression
 from lightning_gradcomp.exchange.drivers import InProcessDriver
 from lightning_gradcomp.exchange.engine import Entry, ExchangeEngine
 from lightning_gradcomp.exchange.pipeline import resolve_error_feedback, warn_nonfinite, WorkerPipeline
-from lightning_gradcomp.exchange.state import restore_worker_state, worker_state
-from lightning_gradcomp.metrics.stats import logged_bytes_sent, StepStats
+from lightning_gradcomp.exchange.state import Accounting, restore_worker_state, worker_state
+from lightning_gradcomp.metrics.stats import LayerStats, logged_bytes_sent, StepStats
 from lightning_gradcomp.metrics.tally import CollectiveTally
 from lightning_gradcomp.metrics.telemetry import StepRecorder
 
 
-class SimulatedExchange:
+class SimulatedExchange(Accounting):
     """Each simulated worker's exchange, run by the same engine as the DDP hook, in lock-step.
 
     Per step: :meth:`add_worker` once per worker (in worker order), then :meth:`finish_step`. The whole
@@ -33,9 +33,8 @@ class SimulatedExchange:
     logged as ``cross:<kind>`` next to the two dense ``node:all_reduce`` of the bucket inside the node,
     and ``bytes_sent`` is per process (the node's payloads are shared out among its ``L`` processes).
 
-    Bytes are counted from the tensors each worker hands over to the driver, by the definition of a real
-    rank (:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`: an all-to-all's own row is not
-    sent). Step
+    Bytes are counted from the tensors each worker hands over to the driver, as a real rank counts them
+    (:func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`). Step
     figures are averages over workers, like the real strategy's logged figures. Memory: per worker its
     residuals and compressor state, and, until the step's exchange ends, what its protocol holds (for
     uncompressed or cast exchanges, its gradient).
@@ -61,7 +60,6 @@ class SimulatedExchange:
         #: whether :meth:`finish_step` reads the measured figures from the device (see
         #: :attr:`~lightning_gradcomp.exchange.session.ExchangeSession.telemetry_due`)
         self.telemetry_due = True
-        self._telemetry = False
         self._aggregate: dict[str, Tensor] = {}
 
     @property
@@ -71,26 +69,6 @@ class SimulatedExchange:
     @property
     def seed(self) -> int:
         return self.engines[0].seed
-
-    @property
-    def totals(self) -> StepStats:
-        """Running totals of every step's figures (measured figures read from the device first)."""
-        self.read_measurements()
-        return self._totals
-
-    @totals.setter
-    def totals(self, value: StepStats) -> None:
-        self._totals = value
-
-    @property
-    def telemetry(self) -> bool:
-        return self._telemetry
-
-    @telemetry.setter
-    def telemetry(self, on: bool) -> None:
-        self._telemetry = bool(on)
-        for pipeline in self.pipelines:
-            pipeline.telemetry = self._telemetry
 
     def use_compressor(self, compressor: Optional[Compressor]) -> None:
         """Switch compressor between steps (``None``: uncompressed); memory and state are kept."""
@@ -134,11 +112,7 @@ class SimulatedExchange:
         self._totals.add(stats)
         self.tally.add(stats)
         self.step_stats = stats
-        if self._telemetry or self.recorder.unread:
-            self.recorder.close_step(keep_layers=self.record_layers)
-            for engine in self.engines:
-                engine.compress_clock.close_step()
-                engine.decompress_clock.close_step()
+        self._close_measurements()
         if self.telemetry_due:
             self.read_measurements()
         aggregate, self._aggregate = self._aggregate, {}
@@ -148,8 +122,7 @@ class SimulatedExchange:
     def read_measurements(self) -> None:
         """Bring the measured figures to the host (one synchronisation): the last step's into
         :attr:`step_stats`, averaged over workers, and every step's since the last read into :attr:`totals`."""
-        clocks = [clock for engine in self.engines for clock in (engine.compress_clock, engine.decompress_clock)]
-        if not self.recorder.unread and not any(clock.unread for clock in clocks):
+        if not self.recorder.unread and not any(clock.unread for clock in self._clocks()):
             return
         workers = self.workers
         step, totals = StepStats(), StepStats()
@@ -158,14 +131,14 @@ class SimulatedExchange:
             setattr(self.step_stats, field, getattr(self.step_stats, field) + getattr(step, field) / workers)
             setattr(self._totals, field, getattr(self._totals, field) + getattr(totals, field) / workers)
         for name, layer in step.layers.items():
-            for field in ("error_sq", "grad_sq", "count", "numel"):
-                setattr(layer, field, getattr(layer, field) / workers)
-            self.step_stats.layers[name] = layer
+            self.step_stats.layers.setdefault(name, LayerStats()).add(layer, workers)
         for engine in self.engines:
             for clock, field in ((engine.compress_clock, "compress_s"), (engine.decompress_clock, "decompress_s")):
                 earlier, last = clock.read()
                 setattr(self.step_stats, field, getattr(self.step_stats, field) + last / workers)
                 setattr(self._totals, field, getattr(self._totals, field) + (earlier + last) / workers)
+
+    _read_measurements = read_measurements  # what Accounting.totals calls
 
     def close(self) -> None:
         """Wait for every non-finite flag still in flight and warn (at teardown)."""
@@ -181,7 +154,3 @@ class SimulatedExchange:
     def load_state_dicts(self, states: list[dict[str, Any]], device: torch.device) -> None:
         for pipeline, state in zip(self.pipelines, states):
             self.restore_counters(*restore_worker_state(state, pipeline.memory, device))
-
-    def restore_counters(self, step: int, totals: StepStats, tally: CollectiveTally) -> None:
-        """Continue from a checkpoint's step counter, running totals and tally."""
-        self.step, self.totals, self.tally = step, totals, tally

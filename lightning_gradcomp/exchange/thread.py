@@ -67,6 +67,8 @@ from lightning_gradcomp.exchange.engine import BucketProtocol, BucketReport
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+#: the tag of an entry ``(_DRAIN, done)``: completes ``done`` once the entries before it have run (``drain``)
+_DRAIN = object()
 
 
 class ExchangeStreams:
@@ -173,13 +175,6 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     return None
 
 
-class _Marker:
-    """A queue entry that completes ``done`` once every entry before it has run (:meth:`ExchangeThread.drain`)."""
-
-    def __init__(self, done: Future) -> None:
-        self.done = done
-
-
 class ExchangeThread:
     """Runs bucket exchanges with ``driver`` on a daemon thread, first in, first out, on ``streams``."""
 
@@ -213,7 +208,7 @@ class ExchangeThread:
         if self._thread is None:
             return
         done = Future()
-        self._queue.put(_Marker(done))
+        self._queue.put((_DRAIN, done))
         done.wait()
 
     def close(self, timeout: Optional[float] = None) -> None:
@@ -241,8 +236,8 @@ class ExchangeThread:
             item = self._queue.get()
             if item is _STOP:
                 return
-            if isinstance(item, _Marker):
-                item.done.set_result(None)
+            if item[0] is _DRAIN:
+                item[1].set_result(None)
                 continue
             protocol, device, ready, future, finish, handed = item
             try:

@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal, Optional
 
+from lightning_gradcomp.core.checks import check_int
+
 TOPOLOGIES = ("ring", "parameter_server")
 
 
@@ -66,20 +68,16 @@ class Network:
     intra_latency_us: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("bandwidth_gbps", "server_bandwidth_gbps", "intra_bandwidth_gbps"):
+        for name, allowed in (("bandwidth_gbps", "a number > 0"), ("server_bandwidth_gbps", "a number > 0"),
+                              ("intra_bandwidth_gbps", "a number > 0"), ("latency_us", "a number >= 0"),
+                              ("intra_latency_us", "None or a number >= 0")):
             value = getattr(self, name)
-            if value is None and name != "bandwidth_gbps":
+            if value is None and name not in ("bandwidth_gbps", "latency_us"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`{name}` must be a number > 0, got {value!r}")
-        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
-            raise ValueError(f"`latency_us` must be a number >= 0, got {self.latency_us!r}")
-        intra_latency = self.intra_latency_us
-        if intra_latency is not None and (isinstance(intra_latency, bool)
-                                          or not isinstance(intra_latency, (int, float)) or intra_latency < 0):
-            raise ValueError(f"`intra_latency_us` must be None or a number >= 0, got {intra_latency!r}")
-        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int) or self.local_size < 1:
-            raise ValueError(f"`local_size` must be an integer >= 1, got {self.local_size!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or (value < 0 if name.endswith("latency_us") else not value > 0)):
+                raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+        check_int(self.local_size, "local_size", 1)
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"`topology` must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
 
@@ -138,13 +136,11 @@ class Network:
             return shared.time(base, nbytes, max(1, workers // self.local_size))
         if scope:
             raise ValueError(f"`kind` scope must be 'node' or 'cross', got {kind!r}")
-        if kind == "all_reduce":
-            return self.all_reduce_time(nbytes, workers)
-        if kind == "all_gather":
-            return self.all_gather_time(nbytes, workers)
-        if kind == "all_to_all":
-            return self.all_to_all_time(nbytes, workers)
-        raise ValueError(f"`kind` must be 'all_reduce', 'all_gather' or 'all_to_all', got {kind!r}")
+        times = {"all_reduce": self.all_reduce_time, "all_gather": self.all_gather_time,
+                 "all_to_all": self.all_to_all_time}
+        if kind not in times:
+            raise ValueError(f"`kind` must be 'all_reduce', 'all_gather' or 'all_to_all', got {kind!r}")
+        return times[kind](nbytes, workers)
 
     def step_time(self, collectives: Iterable[tuple[str, float]], workers: int) -> float:
         """Seconds for a sequence of collectives issued one after another."""

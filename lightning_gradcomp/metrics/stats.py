@@ -1,18 +1,12 @@
-"""The figures of one synchronisation step, and their running totals; what "bytes sent" means.
-
-Bytes sent (:func:`collective_bytes_sent`, the one definition behind every ``bytes_sent`` of the package:
-:class:`StepStats`, the drivers' counters, the simulation, the end-of-training summary, ``gradcomp
-estimate``): per collective, the bytes of this rank's own data that the collective delivers to other
-ranks, each byte counted once however the collective's algorithm routes it — the whole input of an
-``all_reduce`` or an ``all_gather``, and of an ``all_to_all`` the rows addressed to the other ranks
-(``(N - 1)/N`` of the input; the rank's own row never leaves the process). ``bytes_dense``, DDP's fp32
-all-reduce of the same gradients, is the bytes sent of that all-reduce by the same definition.
-"""
+"""The figures of one synchronisation step, and their running totals; what "bytes sent" means
+(:func:`collective_bytes_sent`, the one definition behind every ``bytes_sent`` of the package)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
+
+from lightning_gradcomp.core.checks import check_int
 
 #: The collectives the exchange issues (a driver's log may scope them ``node:`` or ``cross:``).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "all_to_all")
@@ -36,6 +30,11 @@ class LayerStats:
     grad_sq: float = 0.0
     count: float = 0.0
     numel: float = 0.0
+
+    def add(self, other: "LayerStats", divisor: float = 1) -> None:
+        """Add ``other``'s figures, each divided by ``divisor``."""
+        for figure in ("error_sq", "grad_sq", "count", "numel"):
+            setattr(self, figure, getattr(self, figure) + getattr(other, figure) / divisor)
 
 
 @dataclass
@@ -118,9 +117,7 @@ class StepStats:
                            collectives=self.collectives + other.collectives)
         for stats in (self, other):
             for name, layer in stats.layers.items():
-                mine = result.layers.setdefault(name, LayerStats())
-                for figure in ("error_sq", "grad_sq", "count", "numel"):
-                    setattr(mine, figure, getattr(mine, figure) + getattr(layer, figure))
+                result.layers.setdefault(name, LayerStats()).add(layer)
         return result
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,10 +151,8 @@ def collective_bytes_sent(kind: str, input_bytes: int, world_size: int) -> int:
         ValueError: an unknown ``kind``, a negative ``input_bytes``, ``world_size < 1``, or an all-to-all
             input that is not ``world_size`` equal rows.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size` must be an integer >= 1, got {world_size!r}")
-    if isinstance(input_bytes, bool) or not isinstance(input_bytes, int) or input_bytes < 0:
-        raise ValueError(f"`input_bytes` must be an integer >= 0, got {input_bytes!r}")
+    check_int(world_size, "world_size", 1)
+    check_int(input_bytes, "input_bytes", 0)
     if kind in ("all_reduce", "all_gather"):
         return input_bytes
     if kind == "all_to_all":

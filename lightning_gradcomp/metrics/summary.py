@@ -41,9 +41,8 @@ def format_summary(compressor: str, workers: int, totals: StepStats, comm_s: Opt
     Args:
         compressor: the compressor's description (its ``repr``).
         workers: workers that exchanged gradients.
-        totals: running totals, averaged over workers (bytes are per worker: the bytes sent of
-            :func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent`, as ``step_stats`` and
-            ``gradcomp estimate`` count them, against DDP's fp32 all-reduce counted the same way).
+        totals: running totals, averaged over workers (bytes per worker, as
+            :func:`~lightning_gradcomp.metrics.stats.collective_bytes_sent` counts them).
         comm_s / dense_s / network: the estimated communication time of the run and of dense DDP on
             ``network`` (rows left out when ``network`` is ``None``).
         optimizer_steps: under local updates, the optimizer steps the ``totals.steps`` synchronisations

@@ -49,7 +49,8 @@ class Stopwatch:
         """End a step: its time becomes the last step's (no host synchronisation); the earlier steps'
         events that have completed are turned into seconds, so unread steps hold few events."""
         with self._lock:
-            self._earlier.absorb(self._last)
+            self._earlier.seconds += self._last.seconds
+            self._earlier.events.extend(self._last.events)
             self._earlier.fold_completed()
             self._last, self._current = self._current, _Times()
 
@@ -73,10 +74,6 @@ class _Times:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def absorb(self, other: "_Times") -> None:
-        self.seconds += other.seconds
-        self.events.extend(other.events)
 
     def fold_completed(self) -> None:
         """Turn the event pairs whose work has completed into seconds (``query``: no host sync)."""
@@ -170,11 +167,7 @@ class StepRecorder:
             count = len(described)
             errors, inputs = values[4:4 + count], values[4 + count:]
             for (name, sent, numel), error, grad in zip(described, errors, inputs):
-                layer = stats.layers.setdefault(name, LayerStats())
-                layer.error_sq += error
-                layer.grad_sq += grad
-                layer.count += sent
-                layer.numel += numel
+                stats.layers.setdefault(name, LayerStats()).add(LayerStats(error, grad, sent, numel))
 
 
 def _wait_for(streams: list["torch.cuda.Stream"], tensors: list[Tensor]) -> None:
