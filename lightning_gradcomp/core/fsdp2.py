@@ -11,7 +11,7 @@ module, and the tests of both callers.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,16 @@ def check_group(name: str, param_group: Any, shard_group: dist.ProcessGroup, cal
         raise ValueError(
             f"gradcomp: {name or 'the root module'} is sharded over other ranks than mesh['shard'] of the mesh given "
             f"to {caller}; shard every module with fully_shard(module, mesh=mesh['shard']) of that mesh")
+
+
+def check_every_parameter_sharded(model: torch.nn.Module, sharded: set[Optional[str]], refusal: str) -> None:
+    """Refuse the trainable parameters of ``model`` whose names are not in ``sharded`` (their modules never
+    sharded, or ``ignored_params``), with ``refusal`` (``{}``: their names), what would go wrong, and the fix."""
+    missing = [name for name, parameter in model.named_parameters() if parameter.requires_grad and name not in sharded]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(refusal.format(shown) + "; apply fully_shard(module, mesh=mesh['shard']) to the modules "
+                         "holding them, and finally to the root module")
 
 
 def local_shard(tensor: Tensor) -> Tensor:

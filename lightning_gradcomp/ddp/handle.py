@@ -1,32 +1,8 @@
 """The DDP adapter's handle: compressed gradients on a ``DistributedDataParallel`` model (its row of the
-wiring, :func:`attach_ddp`; the public entry point is :func:`lightning_gradcomp.register`).
-
-::
-
-    ddp = DistributedDataParallel(model)
-    gradcomp = lightning_gradcomp.register(ddp, compressor=TopK(0.01))
-    ...
-    loss.backward()          # buckets are exchanged compressed
-    gradcomp.step_stats      # this step's bytes, ratio, density
-    entry = gradcomp.state_dict()                        # every rank calls; the entry on rank 0, None elsewhere
-    if rank == 0: torch.save({"model": ddp.module.state_dict(), "gradcomp": entry}, path)
-    gradcomp.load_state_dict(torch.load(path, map_location="cpu")["gradcomp"])       # every rank, on resume
-
-The hook, the exchange engine and the checkpoint format are those of the Lightning strategies.
-
-What the strategies check before the first step, the handle checks as the loop runs (warnings are given
-on the host, outside the exchange's work):
-
-* ``gradcomp.bind(optimizer)`` checks the optimizer against the compressor (DeMo wants SGD without
-  momentum, DGC and Signum no momentum of their own) and binds it (DeMo reads its learning rate). Without
-  it, the first optimizer that steps the model's parameters is checked and bound at its first step (a
-  conflicting one raises ``ValueError`` there), and a compressor that reads its optimizer (DeMo) warns at
-  the first exchange, which runs unbound.
-* fp16 ``GradScaler`` with memory at the gradients' scale (error feedback, DGC's or Signum's state): the
-  strategies refuse ``precision="16-mixed"``; here a warning, once, when a GradScaler steps the model's
-  optimizer (the residuals would be kept at a loss scale that GradScaler keeps changing).
-* gradient clipping after a sign-producing compressor (DeMo, ``SignSGD(scale="none")``) is the loop's
-  own code: don't (``Compressor.produces_signs``; the Trainer strategies refuse ``gradient_clip_val``).
+wiring, :func:`attach_ddp`; the public entry point is :func:`lightning_gradcomp.register`). The hook, the
+exchange engine and the checkpoint format are those of the Lightning strategies; what the strategies check
+before the first step, the handle checks as the loop runs (the optimizer, an fp16 ``GradScaler``: see
+:class:`~lightning_gradcomp.exchange.handle.OptimizerWatch`).
 """
 
 from __future__ import annotations

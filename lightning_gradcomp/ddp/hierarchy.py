@@ -96,19 +96,12 @@ class HierarchicalHookState(GradCompHookState):
         self.driver = TorchDriver(cross_group, scope="cross")
         self.intra = TorchDriver(intra_group, scope="node")
         self.layout = f"nodes={self.driver.world_size},local={self.intra.world_size}"
+        self.local_size, self.local_rank = self.intra.world_size, self.intra.rank
 
     @property
     def checkpoint_group(self) -> Optional[dist.ProcessGroup]:
         """Every rank of the world: each holds the memory of the parameters it owns."""
         return None
-
-    @property
-    def local_size(self) -> int:
-        return self.intra.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.intra.rank
 
     def exchange_bucket(self, bucket: dist.GradBucket) -> Future:
         """Dense inside the node, compressed between nodes (this rank's share), dense inside the node

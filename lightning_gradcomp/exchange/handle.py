@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,11 @@ from lightning_gradcomp.metrics.stats import StepStats
 from lightning_gradcomp.metrics.summary import summarise
 
 
+#: how the refusal of a ``state`` that is not a dict goes on (:meth:`ExchangeHandle.load_state_dict`)
+_ADVICE = (": state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry on "
+           "every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])")
+
+
 class ExchangeHandle:
     """What the plain entry points return (:func:`~lightning_gradcomp.register`,
     :func:`~lightning_gradcomp.register_fsdp`, :func:`~lightning_gradcomp.local_updates`): the compressed
@@ -45,6 +50,10 @@ class ExchangeHandle:
             accounting).
         compressor: the compressor the exchange was configured with.
     """
+
+    #: whether the checkpoint entry holds every rank of the world (each its own shard's or replica group's state)
+    #: and the summary averages over them, instead of the exchange's group
+    _entry_covers_world = False
 
     def __init__(self, hook_state: ExchangeSession, compressor: Compressor, device: torch.device) -> None:
         self.hook_state = hook_state
@@ -128,11 +137,12 @@ class ExchangeHandle:
 
     def _exchange_workers(self) -> int:
         """The workers of the exchange, for the summary."""
-        return dist.get_world_size(self.hook_state.driver.group)
+        return self.hook_state.driver.world_size
 
     def _summary_group(self) -> Optional[dist.ProcessGroup]:
-        """The ranks the summary's figures are averaged over: the exchange's."""
-        return self.hook_state.driver.group
+        """The ranks the summary's figures are averaged over: the exchange's (every rank's, see
+        :attr:`_entry_covers_world`)."""
+        return None if self._entry_covers_world else self.hook_state.driver.group
 
     def _collective_device(self) -> torch.device:
         """Where the summary's figures are all-reduced: the gradients' device."""
@@ -168,8 +178,9 @@ class ExchangeHandle:
         return own_entry(self.hook_state, self.compressor, rank, workers, local)
 
     def _entry_position(self) -> tuple[int, int]:
-        """This rank's index among the checkpoint entry's workers and their number: the exchange group's."""
-        group = self.hook_state.driver.group
+        """This rank's index among the checkpoint entry's workers and their number: the exchange group's (the
+        world's, see :attr:`_entry_covers_world`)."""
+        group = None if self._entry_covers_world else self.hook_state.driver.group
         return dist.get_rank(group), dist.get_world_size(group)
 
     def _gather_entry(self, local: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
@@ -193,17 +204,29 @@ class ExchangeHandle:
         rank 0's :meth:`state_dict` returned and saved (load it with ``map_location="cpu"``; each rank
         moves only its own part to its device). A run with another number of workers or another
         compressor keeps only the step counter and the totals, with a warning."""
+        self._restore(state, warn_if_local_updates_entry)
+
+    def _restore(self, state: dict[str, Any], check: Callable[[dict[str, Any]], None], advice: str = _ADVICE
+                 ) -> tuple[int, bool]:
+        """:meth:`load_state_dict`'s work: ``check(state)`` warns of what does not apply (two frames below the
+        user's call), :meth:`_load_own` loads this rank's state, the ranks agree on the position restored. This
+        rank's place in the entry, and whether its own state was loaded (not only the counters)."""
         if not isinstance(state, dict):
-            raise ValueError(
-                f"`state` must be the dict that state_dict() returned on rank 0, got {type(state).__name__}: "
-                "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
-                "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])"
-            )
+            raise ValueError(f"`state` must be the dict that state_dict() returned on rank 0, got "
+                             f"{type(state).__name__}" + advice)
         rank, workers = self._entry_position()
-        warn_if_local_updates_entry(state)
+        check(state)
+        restored = []
         restore_entry(state, self.hook_state, workers, self.compressor,
-                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device), rank)
-        self._agree_on_the_restore()
+                      lambda ranks: restored.append(self._load_own(ranks[rank])), rank)
+        self._agree_on_the_restore(self._restored_position())
+        return rank, bool(restored)
+
+    def _load_own(self, saved: dict[str, Any]) -> None:
+        self.hook_state.load_state_dict(saved, self.device)
+
+    def _restored_position(self) -> str:
+        return ""  # what the ranks agree on after a restore besides the step (:meth:`_agree_on_the_restore`)
 
     def _agree_on_the_restore(self, position: str = "") -> None:
         """After :meth:`load_state_dict`: every rank of the exchange restored the same position (a collective,
@@ -425,7 +448,7 @@ def warn_if_local_updates_entry(state: dict[str, Any]) -> None:
         warnings.warn("gradcomp: this checkpoint entry was written under local updates (local_updates(), or a strategy "
                       "with local_updates=): its replicas, outer-optimizer state and window position do not apply to "
                       "an exchange every step and are ignored; its residuals are those of the outer gradients",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=4)
 
 
 def warn_if_unbound(compressor: Compressor) -> None:

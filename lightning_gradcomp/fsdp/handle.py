@@ -1,15 +1,5 @@
-"""Plain PyTorch: compressed HSDP, FSDP2 inside a replica, the compressed exchange between replicas.
-
-::
-
-    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["shard"])          # 1-D: FSDP shards inside the node, nothing more
-    fully_shard(model, mesh=mesh["shard"])
-    gradcomp = lightning_gradcomp.register_fsdp(model, mesh, compressor="int8")
-    ...
-    loss.backward(); optimizer.step()                   # every FSDP group's shard crosses the nodes compressed
-    entry = gradcomp.state_dict()                       # every rank calls it; every rank's state, on rank 0
+"""Plain PyTorch: compressed HSDP, FSDP2 inside a replica, the compressed exchange between replicas
+(:func:`~lightning_gradcomp.register_fsdp`, its handle and its row of the wiring, :func:`attach_fsdp`).
 
 FSDP2 reduce-scatters each parameter group's gradient inside the replica (the ``"shard"`` mesh
 dimension) and hands this rank's shard to the group's all-reduce hook
@@ -24,22 +14,18 @@ parameter name; the checkpoint entry carries every rank's.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, shard_layout
-from lightning_gradcomp.exchange.checkpoint import restore_entry
+from lightning_gradcomp.core.fsdp2 import check_every_parameter_sharded, check_group, check_mesh, fsdp_modules, shard_layout
 from lightning_gradcomp.exchange.handle import GradientHandle, OptimizerWatch
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import world_collective_device
 from lightning_gradcomp.fsdp.layout import group_layout, GroupLayout
-
-#: the mesh dimensions :func:`register_fsdp` expects, outer to inner
 
 
 class FSDPHandle(GradientHandle):
@@ -50,6 +36,8 @@ class FSDPHandle(GradientHandle):
     Attributes:
         layouts: each FSDP parameter group's shard layout, in the order the modules were found.
     """
+
+    _entry_covers_world = True  # each rank holds its own shard's state; the summary averages over every rank
 
     def __init__(self, hook_state: ExchangeSession, compressor: Compressor, device: torch.device,
                  layouts: list[GroupLayout]) -> None:
@@ -88,23 +76,7 @@ class FSDPHandle(GradientHandle):
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved; the
         entry holds every rank of the world, each its own shard's state). Another mesh, world size or
         compressor keeps only the step counter and the totals, with a warning."""
-        if not isinstance(state, dict):
-            raise ValueError(
-                f"`state` must be the dict that state_dict() returned on rank 0, got {type(state).__name__}: "
-                "state_dict() returns None on the other ranks, so save rank 0's entry and load that saved entry "
-                "on every rank, e.g. gradcomp.load_state_dict(torch.load(path, map_location='cpu')['gradcomp'])")
-        rank, workers = self._entry_position()
-        restore_entry(state, self.hook_state, workers, self.compressor,
-                      lambda ranks: self.hook_state.load_state_dict(ranks[rank], self.device), rank)
-        self._agree_on_the_restore()
-
-    def _entry_position(self) -> tuple[int, int]:
-        """The entry holds every rank of the world, each its own shard's state."""
-        return dist.get_rank(), dist.get_world_size()
-
-    def _summary_group(self) -> Optional[dist.ProcessGroup]:
-        """Every rank: each holds the figures of its own shard."""
-        return None
+        self._restore(state, lambda state: None)  # an exchange every step: no warning of local updates' entries
 
     def _collective_device(self) -> torch.device:
         return world_collective_device()
@@ -122,7 +94,9 @@ def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptio
         check_group(module_name, param_group, shard_group, "register_fsdp")
         _check_reduce_settings(module_name, param_group)
         layouts.append(group_layout(module_name, param_group, names))
-    check_every_parameter_sharded(model, layouts)
+    check_every_parameter_sharded(model, {slot.name for layout in layouts for slot in layout.slots},
+                                  "gradcomp: the trainable parameters {} are not sharded by any fully_shard, so no "
+                                  "process would average their gradients")
     device = next(model.parameters()).device
     hook_state = ExchangeSession(**options.keywords(), group=replicate_group, exchange_thread=False, device=device,
                                  caller="register_fsdp()", settings={"shard layout": shard_layout(model),
@@ -137,18 +111,6 @@ def attach_fsdp(model: torch.nn.Module, mesh: DeviceMesh, options: ExchangeOptio
         if layout.slots:
             module.set_all_reduce_hook(handle.all_reduce_hook(layout, param_group))
     return handle
-
-
-def check_every_parameter_sharded(model: torch.nn.Module, layouts: list[GroupLayout]) -> None:
-    """Every trainable parameter must be in an FSDP module's group: one that is not (its module never
-    sharded, or ``ignored_params``) would be averaged by nobody, and the replicas would drift apart."""
-    exchanged = {slot.name for layout in layouts for slot in layout.slots}
-    missing = [name for name, parameter in model.named_parameters() if parameter.requires_grad and name not in exchanged]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"gradcomp: the trainable parameters {shown} are not sharded by any fully_shard, so no "
-                         "process would average their gradients; apply fully_shard(module, mesh=mesh['shard']) to "
-                         "the modules holding them, and finally to the root module")
 
 
 def _check_reduce_settings(name: str, param_group: Any) -> None:

@@ -19,17 +19,7 @@ delay`` inner steps (it runs on the exchange thread), and its result is merged a
 + α·θ_f`` with the worker's parameters of that moment. ``F = 1``, ``τ = 0`` is DiLoCo. The paper sends
 outer gradients as 4-bit floats (``compressor="fp4"``) accumulated in fp32.
 
-Fragments (``fragments=``): by default, as the paper's, strided groups of whole blocks: the blocks of the
-model's stacks of repeated blocks (a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` of one block class,
-e.g. ``nn.TransformerEncoder.layers``), block ``i`` to fragment ``i mod F``; or the user's own groups of
-modules (names, config-friendly, or the modules). See
-:func:`~lightning_gradcomp.local.fragments.fragment_assignment`.
-
-Where the ``τ`` overlapped steps lie (``overlap=``): ``"after"`` (default, the paper's Algorithm 2 as
-written): fragment ``f``'s exchange starts after step ``t ≡ (f+1)·H/F`` and is merged ``τ`` steps later;
-``"before"`` (torchft's ``DiLoCo(fragment_sync_delay=τ)`` schedule): it starts ``τ`` steps earlier, after
-step ``t ≡ (f+1)·H/F − τ``, and is merged after step ``t ≡ (f+1)·H/F``, so that all of a window's merges
-happen within that window of ``H`` steps.
+The fragments and where the overlapped steps lie: see :class:`LocalUpdates`.
 """
 
 from __future__ import annotations

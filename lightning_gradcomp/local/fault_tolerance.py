@@ -17,24 +17,12 @@ A failed exchange usually fails for every participant, and all roll back. A grou
 others committed is one step behind them in torchft's count, and heals from them (θ_global, the outer state)
 at the next quorum.
 
-A whole model on a group of several processes (DDP inside the group, which keeps its replicas equal; the
-loop's layout :class:`RowBlocksOfModel`): each
-rank exchanges a row block of every parameter's Δ (:func:`row_blocks`, FSDP2's split) with the same rank of
-the other groups, and the averages are broadcast inside the group, so the bytes between groups are one
-model's per group, not one per process, and shape-aware compressors see row blocks as under FSDP2. An FSDP2
-model's ranks each exchange their shard (the loop's layout: :class:`~lightning_gradcomp.local.sharded.ShardsOfModel`).
-
-The grace period: a group that is alive but late (a stall, a slow machine) is left out of a synchronisation
-after the lighthouse's ``--join_timeout_ms``: once ``--min_replicas`` groups asked for the quorum, the lighthouse
-waits that long for the others that still heartbeat, then forms the quorum without them, so the others never
-wait longer than that. The late group's window is dropped: at its next quorum it is behind the others and
-heals from them (θ_global, the outer state and the schedule position, merging with weight 0 at once), then
-takes part again. With time-boxed windows (``LocalUpdates(window_seconds=...)``) set ``--join_timeout_ms`` to
-a fraction of the window.
-
-A group that leaves takes its error-feedback residuals and compressor state with it; a group that joins
-starts with fresh ones. The sums and rescaling are the engine's, so every compressor works. Torchft's own
-``DiLoCo`` ends bit for bit where ours does without faults (``tests/test_torchft_diloco.py``).
+A group of several processes holds the model whole (DDP inside the group; the loop's layout
+:class:`RowBlocksOfModel`: each rank exchanges a row block of every parameter's Δ) or sharded
+(:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`). A live group later than the lighthouse's
+``--join_timeout_ms`` (the grace period, see :class:`FaultTolerance`; with time-boxed windows a fraction of the
+window) is left out of the synchronisation and heals at the next one. Torchft's own ``DiLoCo`` ends bit for bit
+where ours does without faults (``tests/test_torchft_diloco.py``).
 
 torchft is an optional dependency (``pip install "lightning-gradcomp[ft]"``): imported here only when a
 :class:`FaultTolerance` is used.
@@ -62,7 +50,6 @@ from lightning_gradcomp.exchange.drivers import CollectiveError, ReconfigurableD
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.loop import FixedMembership, LocalUpdateLoop, PendingSync, WholeModel
 from lightning_gradcomp.local.outer import trainable_parameters
-from lightning_gradcomp.local.windows import group_figures
 
 #: the command the refusal without torchft names
 INSTALL = 'pip install "lightning-gradcomp[ft]"  (or: pip install torchft)'
@@ -280,13 +267,10 @@ class RowBlocksOfModel(WholeModel):
 
 class TorchftMembership(FixedMembership):
     """The membership of a replica group under torchft, composed into the loop
-    (:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop`'s ``membership``): torchft's ``Manager`` for this
-    process of the group (the group is this job's ``torch.distributed`` world), the quorum at each
-    synchronisation, the process group between the same rank of every group, reconfigured as groups leave and
-    join (the exchange runs over it: :class:`ReconfigurableDriver`, the average over the participants), the
-    commit vote (every rank of this group: the outer step is applied only when each exchanged successfully; a
-    group that rolled back while others committed heals from them at the next quorum), and the state a joining
-    group receives (each rank its own, from the same rank of a live group).
+    (:class:`~lightning_gradcomp.local.loop.LocalUpdateLoop`'s ``membership``; see the module's text): torchft's
+    ``Manager`` for this process of the group (the group is this job's ``torch.distributed`` world), the
+    exchange over the quorum's process group (:class:`ReconfigurableDriver`), the vote of every rank of the group,
+    and the state a joining group receives (each rank its own, from the same rank of a live group).
 
     When the loop is built the group joins: with every group at step 0 (a fresh start) the quorum only agrees
     on the initial weights (torchft copies the first group's to the others); a group that joins a running job
@@ -396,11 +380,7 @@ class TorchftMembership(FixedMembership):
         # a running job's synchronisation, the one the others are starting (received with the state): take
         # part, with a zero outer gradient, and merge it when they do (at once, or after `delay` steps)
         self.joined_running_job = True
-        now = loop.outer.optimizer_steps
-        fragment, merge_in = self._received_syncing or (0, loop.outer.delay)
-        pending = loop._begin(fragment, now + merge_in)
-        if merge_in == 0:
-            loop._complete(pending)
+        loop._run(*(self._received_syncing or (0, loop.outer.delay)))
 
     #: seconds between two quorums while a fresh start waits for the expected groups
     START_POLL_S = 0.05
@@ -512,14 +492,12 @@ class TorchftMembership(FixedMembership):
         elements = sum(loop._exchanged_elements(i) for i in loop.outer.members(fragment))
         window = loop.outer.windows if loop.outer.time_boxed else 0
         shared = [fragment, elements, dist.get_world_size(), window]
-        mine = torch.tensor([*shared, *loop._group_row(fragment, world_collective_device())], dtype=torch.int64)
-        everyone = self.driver.all_gather(mine)
-        if not bool((everyone[:, :len(shared)] == mine[:len(shared)]).all()):
+        rows, groups = loop._gather_rows(shared, fragment, world_collective_device())  # over torchft's group
+        if any(row != tuple(shared) for row in rows):
             raise CollectiveError(
                 "the replica groups disagree on this synchronisation (rows: fragment, elements exchanged by this "
-                f"rank, processes per group, window): {everyone[:, :len(shared)].tolist()}; every group needs the "
+                f"rank, processes per group, window): {[list(row) for row in rows]}; every group needs the "
                 "same number of processes, model, sync_every and fragments")
-        groups = [group_figures(row[len(shared):]) for row in everyone.tolist()]
         loop._take_weight(fragment, groups, self.driver.rank)
         if len({group.units for group in groups if group.units > 0}) <= 1:
             loop.weight, loop.weights_equal = 1.0, True
@@ -570,18 +548,14 @@ class TorchftMembership(FixedMembership):
 def fault_tolerant_loop(module: torch.nn.Module, config: LocalUpdates, exchange: ExchangeSession,
                         fault_tolerance: FaultTolerance, global_device: Optional[torch.device] = None,
                         layout: Optional[WholeModel] = None) -> LocalUpdateLoop:
-    """The outer loop of one process of a replica group under torchft: the loop with
-    :class:`TorchftMembership` composed in.
+    """The outer loop of one process of a replica group under torchft: the loop with :class:`TorchftMembership`.
 
     Args:
-        module, config, exchange: as for the loop (``exchange``'s driver is replaced by one over torchft's
-            group); with a whole model on several processes, ``module`` is the one DDP wraps inside the group.
+        module, config, exchange, global_device: as for the loop (``exchange``'s driver is replaced by one over
+            torchft's group); with a whole model on several processes, ``module`` is the one DDP wraps.
         fault_tolerance: the lighthouse and this group's name.
-        global_device: where θ_global and the outer state live (``None``: the parameters' device; ``"cpu"``).
-        layout: how the group's processes hold the model: FSDP2 shards
-            (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`), or (``None``) whole, on one process
-            (:class:`~lightning_gradcomp.local.loop.WholeModel`) or on each of several
-            (:class:`RowBlocksOfModel`).
+        layout: FSDP2 shards (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`), or ``None``: whole, on one
+            process (:class:`~lightning_gradcomp.local.loop.WholeModel`) or on each of several (:class:`RowBlocksOfModel`).
     """
     if layout is None and dist.get_world_size() > 1:  # a whole model on each of the group's processes
         layout = RowBlocksOfModel([p for _, p in trainable_parameters(module)])

@@ -18,23 +18,14 @@ from lightning_gradcomp.local.config import FragmentEntry, LocalUpdates
 def fragment_assignment(module: torch.nn.Module, names: Sequence[str], config: LocalUpdates,
                         first_use: Optional[Mapping[str, int]] = None) -> list[int]:
     """The fragment of each of ``module``'s trainable parameters ``names`` (in ``named_parameters`` order),
-    for ``config.fragments``:
-
-    * an int ``F``: strided groups of whole blocks, as Streaming DiLoCo's (Douillard et al. 2025 compare
-      "sequential" and "strided" fragments and keep strided). The blocks are the children of the model's stacks
-      (:func:`repeated_blocks`), in registration order; block ``i`` goes to fragment ``i mod F``, the
-      parameters outside the blocks that the forward pass uses before the first block (embeddings) to
-      fragment 0, the others (final norm, output layer) to fragment ``F − 1`` (where torchtitan's fragments
-      put them). Which come first is read from ``first_use`` (module name -> the order of its first call in
-      a forward pass, :class:`FirstUse`) where it knows the module, else from the registration order (a
-      model that registers its output layer first, as LitGPT's GPT does, is right once a forward pass has
-      run: the loops record the first one). A
-      model with fewer than ``F`` blocks, or whose blocks hold fewer than half its modules with trainable
-      parameters (a small stack inside another kind of model), gets :func:`assign_fragments`' modules dealt
-      out in turn instead.
-    * the fragments themselves: each entry a module's name (a prefix of its parameters' names, at a dot) or
-      a submodule of ``module`` (matched by identity; a slice of a stack, ``model.layers[:2]``, stands for
-      its blocks); every trainable parameter must belong to exactly one fragment (:func:`assign_fragments`).
+    for ``config.fragments`` (see :class:`~lightning_gradcomp.local.config.LocalUpdates`): an int ``F``, strided
+    groups of whole blocks (Douillard et al. 2025 compare "sequential" and "strided" fragments and keep
+    strided; :func:`strided_blocks`, where torchtitan's fragments put the parameters outside the blocks),
+    ordered by ``first_use`` (module name -> the order of its first call in a forward pass, :class:`FirstUse`)
+    where it knows the module, else by registration (a model that registers its output layer first, as LitGPT's
+    GPT does, is right once the loops recorded a forward pass), or :func:`assign_fragments`' modules dealt out
+    in turn where the blocks do not apply; or the fragments themselves (:func:`assign_fragments`; a slice of
+    a stack, ``model.layers[:2]``, stands for its blocks).
     """
     fragments = config.fragments
     if isinstance(fragments, int):

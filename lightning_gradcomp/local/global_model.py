@@ -22,13 +22,13 @@ from torch import Tensor
 
 class _ShownValues:
     """What :class:`SwappedIn` and :class:`CopiedIn` share: :meth:`restore` gives the tensors their own
-    values back, :meth:`_show` (re)applies the values, keeping the tensors' own first."""
+    values back, :meth:`_show` (re)applies the values, keeping the tensors' own first; both are the subclass's."""
 
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def _show(self) -> None:
-        raise NotImplementedError
+    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
+        self.tensors = list(tensors)
+        self.values = list(values)
+        self.kept: list[Optional[Tensor]] = [None] * len(self.tensors)
+        self._show()
 
     @contextmanager
     def own_data(self) -> Iterator[None]:
@@ -50,11 +50,6 @@ class SwappedIn(_ShownValues):
     :meth:`own_data` puts the tensors' own data back for a while (a checkpoint of the replica taken while
     ``θ_global`` is shown)."""
 
-    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
-        self.tensors = list(tensors)
-        self.values = list(values)
-        self._show()
-
     def _show(self) -> None:
         self.kept = [tensor.data for tensor in self.tensors]
         for tensor, value in zip(self.tensors, self.values):
@@ -72,12 +67,6 @@ class CopiedIn(_ShownValues):
     values copied in (cast to each tensor's dtype and device), and :meth:`restore` copies the kept values
     back. For tensors whose storage others read (FSDP2's sharded parameters: its all-gathers read its own
     padded storage, of which the local shard is a view) and values on another device."""
-
-    def __init__(self, tensors: Sequence[Tensor], values: Sequence[Optional[Tensor]]) -> None:
-        self.tensors = list(tensors)
-        self.values = list(values)
-        self.kept: list[Optional[Tensor]] = [None] * len(self.tensors)
-        self._show()
 
     @torch.no_grad()
     def _show(self) -> None:

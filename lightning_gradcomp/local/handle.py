@@ -1,26 +1,5 @@
 """The local-update adapter's handle and its builders (the rows of :func:`~lightning_gradcomp.wiring.attach_exchange`
-for a whole model); the public entry point is :func:`lightning_gradcomp.local_updates`::
-
-    dist.init_process_group("gloo")                     # or torchrun's environment, nccl
-    model = Net().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4)
-    diloco = lightning_gradcomp.local_updates(model, optimizer, sync_every=100, compressor="int8")
-    for batch in loader:                                # each rank its own shard
-        loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()   # counts the step
-        if step % eval_interval == 0:
-            with diloco.global_weights():               # θ_global, the same on every rank; no communication
-                evaluate(model)
-            entry = diloco.state_dict()                 # every rank calls; the entry on rank 0, None elsewhere
-            if rank == 0:
-                with diloco.global_weights():
-                    torch.save({"model": model.state_dict(), "gradcomp": entry}, path)
-    diloco.sync()                                       # the end: every rank's model set to θ_global
-
-The model is not wrapped in ``DistributedDataParallel``: nothing is communicated between two
-synchronisations. The exchange state, engine and checkpoint format are those of the DDP hook.
-Between synchronisations each rank's model is its own replica; ``θ_global``, the model DiLoCo defines,
-is what :meth:`LocalUpdateHandle.global_weights` shows and what :meth:`LocalUpdateHandle.sync` leaves in
-every rank's model.
+for a whole model); the public entry point is :func:`lightning_gradcomp.local_updates`.
 """
 
 from __future__ import annotations
@@ -34,7 +13,6 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_gradcomp.exchange.agreement import check_agreement, model_layout
-from lightning_gradcomp.exchange.checkpoint import restore_entry
 from lightning_gradcomp.exchange.handle import (
     ExchangeHandle,
     refuse_parameters_replaced_by_sharding,
@@ -252,29 +230,27 @@ class LocalUpdateHandle(ExchangeHandle):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's part of a :meth:`state_dict` (every rank loads the entry rank 0 saved)."""
-        if not isinstance(state, dict):
-            raise ValueError(f"`state` must be the dict that state_dict() returned on rank 0, got "
-                             f"{type(state).__name__}")
-        rank, workers = self._entry_position()
-        restored = []
+        rank, restored = self._restore(state, self._warn_if_no_local_state, advice="")
+        if not restored and rank == 0:
+            warnings.warn(LOCAL_STATE_DROPPED, UserWarning, stacklevel=2)
+
+    def _warn_if_no_local_state(self, state: dict[str, Any]) -> None:
         ranks = state.get("ranks")
         saved = [entry for entry in ranks if entry is not None] if isinstance(ranks, list) else []
-        if rank == 0 and saved and all(isinstance(entry, dict) and entry.get("local") is None for entry in saved):
+        if self._entry_position()[0] == 0 and saved and all(isinstance(entry, dict) and entry.get("local") is None
+                                                            for entry in saved):
             warnings.warn("gradcomp: this checkpoint entry holds no local-update state (it was written by an exchange "
                           "every step: register(), register_fsdp() or a strategy without local_updates=): the window "
                           "starts afresh from the model as loaded, with its residuals and counters", UserWarning,
-                          stacklevel=2)
+                          stacklevel=4)
 
-        def load(ranks: list[dict[str, Any]]) -> None:
-            self.hook_state.load_state_dict(ranks[rank], self.device)
-            if ranks[rank].get("local") is not None:
-                self.loop.load_state_dict(ranks[rank]["local"], self.optimizers)
-            restored.append(True)
+    def _load_own(self, saved: dict[str, Any]) -> None:
+        super()._load_own(saved)
+        if saved.get("local") is not None:
+            self.loop.load_state_dict(saved["local"], self.optimizers)
 
-        restore_entry(state, self.hook_state, workers, self.compressor, load, rank)
-        self._agree_on_the_restore(f", inner step {self.loop.outer.optimizer_steps}")
-        if not restored and rank == 0:
-            warnings.warn(LOCAL_STATE_DROPPED, UserWarning, stacklevel=2)
+    def _restored_position(self) -> str:
+        return f", inner step {self.loop.outer.optimizer_steps}"
 
 
 class FaultTolerantHandle(LocalUpdateHandle):
@@ -294,14 +270,8 @@ class FaultTolerantHandle(LocalUpdateHandle):
     def summary(self, network: Optional[Any] = None) -> str:
         return f"{super().summary(network)}\n{self.fault_tolerance.describe()}"
 
-    def _summary_group(self) -> Optional[dist.ProcessGroup]:
-        return None  # this job alone: the groups' processes do not all-reduce outside a synchronisation
-
-    def _exchange_workers(self) -> int:
-        return self.loop.exchange.driver.world_size
-
-    def _entry_position(self) -> tuple[int, int]:
-        return dist.get_rank(), dist.get_world_size()
+    #: this job alone (its world): the groups' processes do not all-reduce outside a synchronisation
+    _entry_covers_world = True
 
     def close(self) -> None:
         """Stop counting steps and leave the quorum (the other groups go on)."""
@@ -469,8 +439,10 @@ def _ddp_wrappers_of(model: torch.nn.Module) -> list[torch.nn.parallel.Distribut
 
 
 @torch.no_grad()
-def broadcast_from_first_rank(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Every parameter and buffer of ``model`` set to the group's first rank's (as DDP does at wrapping)."""
+def broadcast_from_first_rank(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None,
+                              part: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor.data) -> None:
+    """Every parameter and buffer of ``model`` (``part`` of each: an FSDP2 model's local shards) set to the
+    group's first rank's (as DDP does at wrapping)."""
     source = dist.get_global_rank(group, 0) if group is not None else 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, source, group=group)
+        dist.broadcast(part(tensor), source, group=group)

@@ -1,16 +1,6 @@
 """One rank's local-update training (DiLoCo's outer loop, Streaming DiLoCo's fragments), driven by
-``torch.distributed``.
-
-Call :meth:`LocalUpdateLoop.step` once per inner optimizer step, on every rank (also on a step that a
-``GradScaler`` skipped: the schedule counts iterations, the same on every rank). When a fragment's turn
-comes (every ``H`` steps for the whole model by default) it exchanges each rank's outer gradient through
-the exchange engine (:meth:`~lightning_gradcomp.exchange.session.ExchangeSession.exchange`: the
-compressor, error feedback on ``Δ``, the byte count, a dead peer's
-:class:`~lightning_gradcomp.exchange.drivers.CollectiveError`), averages the fragment's floating-point
-buffers with one dense all-reduce, steps the outer optimizer
-(:class:`~lightning_gradcomp.local.outer.OuterModel`) and merges the result into the parameters. With
-``delay = τ > 0`` the exchange runs on the exchange thread (its own process group) while the next ``τ``
-inner steps run, and is merged after them. Nothing is communicated in between.
+``torch.distributed``: :class:`LocalUpdateLoop`, and the schedule it shares with the simulation
+(:class:`ScheduledSyncs`). Nothing is communicated between two synchronisations.
 """
 
 from __future__ import annotations
@@ -89,16 +79,16 @@ class WholeModel:
     sharded layout (:class:`~lightning_gradcomp.local.sharded.ShardsOfModel`) is the other one: a loop takes
     its layout, so fault tolerance and the shards combine without a class for each combination."""
 
-    #: whether the replica's ranks each hold a shard of the model (and exchange it)
-    shards = False
-
     def tensors(self, parameters: list[Tensor]) -> list[Tensor]:
         """What the loop trains and synchronises of ``parameters``."""
         return parameters
 
     def show(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
-        """``values`` shown in ``tensors`` (see :meth:`ScheduledSyncs.global_weights`)."""
-        return show_in(tensors, values)
+        """``values`` shown in ``tensors`` (see :meth:`ScheduledSyncs.global_weights`): by reference, or by
+        copying where ``θ_global`` lives on another device than the parameters (host memory)."""
+        if any(value is not None and value.device != tensor.device for tensor, value in zip(tensors, values)):
+            return CopiedIn(tensors, values)
+        return SwappedIn(tensors, values)
 
     def ranks_per_replica(self) -> int:
         """The ranks that train one replica together."""
@@ -136,21 +126,62 @@ def _part(flat: Tensor, elements: slice) -> Tensor:
     return flat if elements.start == 0 and elements.stop == flat.numel() else flat[elements]
 
 
-def show_in(tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
-    """``values`` shown in ``tensors``: by reference, or by copying where ``θ_global`` lives on another device
-    than the parameters (host memory)."""
-    if any(value is not None and value.device != tensor.device for tensor, value in zip(tensors, values)):
-        return CopiedIn(tensors, values)
-    return SwappedIn(tensors, values)
+class FixedMembership:
+    """Who takes part in the loop's synchronisations, the default policy: every rank of the exchange's process
+    group, every time. Ranks out of step are an error on every rank
+    (:class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, :meth:`LocalUpdateLoop.agree_on_schedule`),
+    a failed exchange raises its :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`, every
+    synchronisation is applied, and a checkpoint is always this run's own. The other policy,
+    :class:`~lightning_gradcomp.local.fault_tolerance.TorchftMembership`, takes a quorum of replica groups at
+    each synchronisation, votes, rolls back and heals: the loop calls the same hooks either way."""
+
+    #: the schedule position when this rank joined the run (0: at its start)
+    joined_at_step = 0
+    #: what the membership did, for telemetry and the summary (torchft's quorums; ``None``: nothing to report)
+    figures: Any = None
+
+    def attach(self, loop: "LocalUpdateLoop") -> None:
+        """Called once, at the end of ``loop``'s construction (a membership serves one loop)."""
+        if getattr(self, "loop", loop) is not loop:
+            raise ValueError("gradcomp: a membership serves one local-update loop; make one per loop")
+        self.loop = loop
+
+    def begin(self, fragment: int, merge_at: int) -> bool:
+        """Before a synchronisation's first collective: whether this rank exchanges its outer gradients."""
+        return True
+
+    def agree(self, fragment: int, merge_at: int) -> None:
+        """The synchronisation's first collective: check that every participant starts the same one."""
+        self.loop.agree_on_schedule(fragment, merge_at)
+
+    def exchange_failed(self, error: CollectiveError) -> bool:
+        """An exchange failed (a dead peer): whether the membership absorbs the failure (False: it is raised)."""
+        return False
+
+    def settle(self, pending: PendingSync) -> None:
+        """Wait for ``pending``'s exchange in flight (its error raised)."""
+        for future in pending.futures:
+            future.wait()
+        pending.futures = []
+
+    def commit(self, pending: PendingSync) -> bool:
+        """Whether ``pending``'s average is applied (after :meth:`settle`); False rolls the fragment back."""
+        return True
+
+    def accepts_checkpoint(self) -> bool:
+        """Whether a checkpoint's local-update state is loaded."""
+        return True
+
+    def shutdown(self) -> None:
+        """Leave the run (nothing to leave for a fixed group)."""
 
 
 class ScheduledSyncs:
     """The schedule every outer loop follows (one rank's, the simulation's): after each inner step, merge
     the synchronisations due now, then start those whose turn it is (merged at once without ``delay``);
     :meth:`sync` synchronises every fragment now (the end of training); :meth:`global_weights` shows
-    ``θ_global`` in the module. Subclasses provide :attr:`outer`, :attr:`pending`, :attr:`params`,
-    :attr:`buffers`, :attr:`global_buffers`, :meth:`_start`, :meth:`_merge` (which sets :attr:`synced`)
-    and :meth:`adopt_global`."""
+    ``θ_global`` in the module. Subclasses provide :attr:`outer`, :attr:`params`, :attr:`buffers` (then
+    :meth:`_set_up`), :meth:`_start`, :meth:`_merge` (which sets :attr:`synced`) and :meth:`adopt_global`."""
 
     outer: OuterModel
     pending: list[PendingSync]
@@ -166,6 +197,19 @@ class ScheduledSyncs:
     weight_by: Optional[str] = "samples"
     #: whether :meth:`sync` (the end of a loop) is running
     _ending = False
+    #: how the loop holds the model (the simulation's: whole) and who takes part (every worker, from the start)
+    layout: WholeModel = WholeModel()
+    membership: FixedMembership = FixedMembership()
+
+    def _set_up(self, module: torch.nn.Module, config: LocalUpdates) -> None:
+        """After :attr:`outer` is built: the buffers' fragments and global values, the schedule's state."""
+        self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
+                                                self.outer.fragment_of, self.outer.fragments)
+        self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
+        self._record_first_use(module, config)
+        self.pending: list[PendingSync] = []
+        self.clock = WindowClock(self.outer.fragments)
+        self.weight_by = config.weight_by
 
     def _use_figures(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> list[float]:
         """The groups' figures of a synchronisation (every rank's, from its all-gather): refuse what does not fit
@@ -194,10 +238,14 @@ class ScheduledSyncs:
         return self.outer.finished
 
     @property
+    def sync_every(self) -> int:
+        return self.outer.sync_every
+
+    @property
     def steps_taken_here(self) -> int:
-        """The inner steps this rank's exchanges covered, for the summary's per-step figures: the schedule
-        position (a fault-tolerant group that joined a running job counts from its join)."""
-        return self.outer.optimizer_steps
+        """The inner steps this rank's exchanges covered, for the summary's per-step figures: those since this
+        rank joined the run (all of them, unless a fault-tolerant group joined a running job)."""
+        return self.outer.optimizer_steps - self.membership.joined_at_step
 
     def dense_bytes_per_step(self) -> int:
         """What exchanging every optimizer step would send (the summary's reference): the fp32 all-reduce of
@@ -207,7 +255,8 @@ class ScheduledSyncs:
 
     def _exchanged_elements(self, index: int) -> int:
         """The elements of parameter ``index`` this rank exchanges at a synchronisation."""
-        return self.params[index].numel()
+        part = self.layout.exchanged(index, self.params[index])
+        return 0 if part is None else part[0].stop - part[0].start
 
     # ------------------------------------------------------------------ the default fragments, by first use
     def _record_first_use(self, module: torch.nn.Module, config: LocalUpdates) -> None:
@@ -271,30 +320,21 @@ class ScheduledSyncs:
         for pending in [pending for pending in self.pending if pending.merge_at <= now]:
             self._complete(pending)
         for fragment in starting:
-            pending = self._begin(fragment, now + self.outer.delay)
-            if self.outer.delay == 0:
-                self._complete(pending)
+            self._run(fragment, self.outer.delay)
         self.clock.ready(self.outer.window_seconds if self.outer.window_ended else 0.0)
         return self.synced
 
     def _keeps_deadlines(self) -> bool:
         """Whether this rank's group ends a time-boxed window at its deadline (a group of one process: the
         ranks of a larger one keep to the steps they agreed on)."""
-        return self.outer.time_boxed and self._ranks_per_group() == 1
-
-    def _ranks_per_group(self) -> int:
-        """The ranks that train this rank's replica together (1: this rank alone)."""
-        return 1
+        return self.outer.time_boxed and self.layout.ranks_per_replica() == 1
 
     def sync(self) -> bool:
         """Synchronise now, on every worker (a collective; every rank calls it at the same point): merge the
         exchanges in flight, then exchange and merge at once every fragment whose parameters moved since
         (:meth:`~lightning_gradcomp.local.outer.OuterModel.unsynchronised`), and put ``θ_global`` (and the
-        averaged buffers) into every worker's parameters. Whether anything was exchanged.
-
-        The end-of-training rule: the strategies call it when ``fit`` ends, so a partial window's inner
-        steps are not lost and every rank ends with the same weights, ``θ_global``. The schedule goes on
-        from the step counter: a later window after a :meth:`sync` is shorter."""
+        averaged buffers) into every worker's parameters (the end of training, see
+        :meth:`~lightning_gradcomp.local.handle.LocalUpdateHandle.sync`). Whether anything was exchanged."""
         self._leave_evaluation()  # an evaluation that ended: the replica takes part
         self._refuse_inside_the_view("sync()")
         self._settle_fragments()
@@ -305,7 +345,7 @@ class ScheduledSyncs:
                 self._complete(pending)
             due = [fragment for fragment in range(self.outer.fragments) if self.outer.unsynchronised(fragment)]
             for fragment in due:
-                self._complete(self._begin(fragment, self.outer.optimizer_steps))
+                self._run(fragment, 0)
         finally:
             self._ending = False
         self.adopt_global()
@@ -320,8 +360,8 @@ class ScheduledSyncs:
         if self._view is not None:  # nested: already shown
             yield
             return
-        self._view = self._show_global([*self.params, *(buffer for _, buffer in self.buffers)],
-                                       [*self.outer.global_params, *self.global_buffers.values])
+        self._view = self.layout.show([*self.params, *(buffer for _, buffer in self.buffers)],
+                                      [*self.outer.global_params, *self.global_buffers.values])
         try:
             yield
         finally:
@@ -334,10 +374,6 @@ class ScheduledSyncs:
         tensors (sharded parameters, ``θ_global`` in host memory): what is read from the module meanwhile
         without copying (a ``state_dict`` on the CPU) changes when the view closes."""
         return isinstance(self._view, CopiedIn)
-
-    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
-        """``values`` shown in ``tensors`` (:func:`show_in`)."""
-        return show_in(tensors, values)
 
     @contextmanager
     def _replica_shown(self) -> Iterator[None]:
@@ -381,6 +417,12 @@ class ScheduledSyncs:
         """Every worker's parameters and floating-point buffers set to ``θ_global``'s (no communication)."""
         raise NotImplementedError
 
+    def _run(self, fragment: int, merge_in: int) -> None:
+        """Start ``fragment``'s synchronisation, merged ``merge_in`` inner steps from now (0: at once)."""
+        pending = self._begin(fragment, self.outer.optimizer_steps + merge_in)
+        if merge_in == 0:
+            self._complete(pending)
+
     def _begin(self, fragment: int, merge_at: int) -> PendingSync:
         self.outer.started_at[fragment] = self.outer.optimizer_steps
         return self._start(fragment, merge_at)
@@ -394,56 +436,6 @@ class ScheduledSyncs:
 
     def _merge(self, pending: PendingSync) -> None:
         raise NotImplementedError
-
-
-class FixedMembership:
-    """Who takes part in the loop's synchronisations, the default policy: every rank of the exchange's process
-    group, every time. Ranks out of step are an error on every rank
-    (:class:`~lightning_gradcomp.exchange.agreement.ScheduleMismatch`, :meth:`LocalUpdateLoop.agree_on_schedule`),
-    a failed exchange raises its :class:`~lightning_gradcomp.exchange.drivers.CollectiveError`, every
-    synchronisation is applied, and a checkpoint is always this run's own. The other policy,
-    :class:`~lightning_gradcomp.local.fault_tolerance.TorchftMembership`, takes a quorum of replica groups at
-    each synchronisation, votes, rolls back and heals: the loop calls the same hooks either way."""
-
-    #: the schedule position when this rank joined the run (0: at its start)
-    joined_at_step = 0
-    #: what the membership did, for telemetry and the summary (torchft's quorums; ``None``: nothing to report)
-    figures: Any = None
-
-    def attach(self, loop: "LocalUpdateLoop") -> None:
-        """Called once, at the end of ``loop``'s construction (a membership serves one loop)."""
-        if getattr(self, "loop", loop) is not loop:
-            raise ValueError("gradcomp: a membership serves one local-update loop; make one per loop")
-        self.loop = loop
-
-    def begin(self, fragment: int, merge_at: int) -> bool:
-        """Before a synchronisation's first collective: whether this rank exchanges its outer gradients."""
-        return True
-
-    def agree(self, fragment: int, merge_at: int) -> None:
-        """The synchronisation's first collective: check that every participant starts the same one."""
-        self.loop.agree_on_schedule(fragment, merge_at)
-
-    def exchange_failed(self, error: CollectiveError) -> bool:
-        """An exchange failed (a dead peer): whether the membership absorbs the failure (False: it is raised)."""
-        return False
-
-    def settle(self, pending: PendingSync) -> None:
-        """Wait for ``pending``'s exchange in flight (its error raised)."""
-        for future in pending.futures:
-            future.wait()
-        pending.futures = []
-
-    def commit(self, pending: PendingSync) -> bool:
-        """Whether ``pending``'s average is applied (after :meth:`settle`); False rolls the fragment back."""
-        return True
-
-    def accepts_checkpoint(self) -> bool:
-        """Whether a checkpoint's local-update state is loaded."""
-        return True
-
-    def shutdown(self) -> None:
-        """Leave the run (nothing to leave for a fixed group)."""
 
 
 class LocalUpdateLoop(ScheduledSyncs):
@@ -480,14 +472,7 @@ class LocalUpdateLoop(ScheduledSyncs):
         warn_compounding_momentum(exchange.compressor, config)
         self.outer = OuterModel(self.names, self.params, config,
                                 fragment_of=fragment_assignment(module, self.names, config), device=global_device)
-        self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
-                                                self.outer.fragment_of, self.outer.fragments)
-        self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
-        self._record_first_use(module, config)
-        self.pending: list[PendingSync] = []
-        self.synced = False
-        self.clock = WindowClock(self.outer.fragments)
-        self.weight_by = config.weight_by
+        self._set_up(module, config)
         #: ``M·w`` of this rank's group at the last synchronisation, and whether every group's was 1
         self.weight = 1.0
         self.weights_equal = True
@@ -501,25 +486,6 @@ class LocalUpdateLoop(ScheduledSyncs):
         """The tensors this rank trains and synchronises, in the order of :attr:`names` (a sharded layout reads
         the local shards afresh each time: FSDP2 may re-point them at new storage)."""
         return self.layout.tensors(self._parameters)
-
-    def _show_global(self, tensors: list[Tensor], values: list[Optional[Tensor]]) -> Union[SwappedIn, CopiedIn]:
-        return self.layout.show(tensors, values)
-
-    def _ranks_per_group(self) -> int:
-        return self.layout.ranks_per_replica()
-
-    def _exchanged_elements(self, index: int) -> int:
-        part = self.layout.exchanged(index, self.params[index])
-        return 0 if part is None else part[0].stop - part[0].start
-
-    @property
-    def sync_every(self) -> int:
-        return self.outer.sync_every
-
-    @property
-    def steps_taken_here(self) -> int:
-        """The inner steps since this rank joined the run (all of them, unless it joined a running job)."""
-        return self.outer.optimizer_steps - self.membership.joined_at_step
 
     @torch.no_grad()
     def _start(self, fragment: int, merge_at: int) -> PendingSync:
@@ -589,13 +555,10 @@ class LocalUpdateLoop(ScheduledSyncs):
         elements = sum(self.params[i].numel() for i in self.outer.members(fragment))
         position = self.outer.windows if self.outer.time_boxed else self.outer.optimizer_steps
         device = collective_device(driver.group)
-        figures = self._group_row(fragment, device)
-        mine = torch.tensor([position, fragment, elements, *figures], dtype=torch.int64, device=device)
-        arrival = Arrival("local updates' sync()", driver.group, "every rank's step at this synchronisation",
-                          "every rank synchronises after the same number of inner steps (a rank that stopped "
-                          "early, or is stuck in a collective of its own, holds up the others)")
-        gathered = driver.all_gather(mine, arrival).tolist()  # between steps, not in a hook
-        rows = [tuple(row[:3]) for row in gathered]
+        rows, groups = self._gather_rows([position, fragment, elements], fragment, device, device, lambda: Arrival(
+            "local updates' sync()", driver.group, "every rank's step at this synchronisation",
+            "every rank synchronises after the same number of inner steps (a rank that stopped early, or is stuck in "
+            "a collective of its own, holds up the others)"))
         if len(set(rows)) > 1:
             unit = "window" if self.outer.time_boxed else "step"
             shown = "; ".join(f"rank {rank}: {unit} {step}, fragment {part}, {count:,} elements"
@@ -608,7 +571,17 @@ class LocalUpdateLoop(ScheduledSyncs):
                 "same point, count every optimizer step on every rank (handle.step() after each one where a "
                 "GradScaler may skip it), load a checkpoint on every rank (load_state_dict() is for each rank), "
                 "and give every rank the same model and fragments")
-        self._take_weight(fragment, [group_figures(row[3:]) for row in gathered], driver.rank)
+        self._take_weight(fragment, groups, driver.rank)
+
+    def _gather_rows(self, shared: list[int], fragment: int, device: torch.device, on: Optional[torch.device] = None,
+                     arrival: Callable[[], Optional[Arrival]] = lambda: None
+                     ) -> tuple[list[tuple[int, ...]], list[GroupFigures]]:
+        """Every rank's row of this synchronisation, one all-gather between steps (of a tensor on ``on``,
+        ``arrival`` made just before): ``shared``, what the ranks must agree on, then its group's figures
+        (:meth:`_group_row`, summed on ``device``). The rows' ``shared`` parts, and the groups' figures."""
+        mine = torch.tensor([*shared, *self._group_row(fragment, device)], dtype=torch.int64, device=on)
+        gathered = self.exchange.driver.all_gather(mine, arrival()).tolist()
+        return [tuple(row[:len(shared)]) for row in gathered], [group_figures(row[len(shared):]) for row in gathered]
 
     def _take_weight(self, fragment: int, groups: Sequence[GroupFigures], me: int) -> None:
         self.weight = self._use_figures(fragment, groups, me)[me]
@@ -630,19 +603,15 @@ class LocalUpdateLoop(ScheduledSyncs):
 
     def _group_row(self, fragment: int, device: torch.device) -> list[int]:
         """This rank's group's figures (:data:`~lightning_gradcomp.local.windows.ROW_FIELDS`): its own, or, where
-        several ranks train one replica (:meth:`_ranks_per_group`), theirs combined with one small all-reduce."""
+        several ranks train one replica (the layout's), theirs combined with one small all-reduce."""
         final = self._ending and self.outer.time_boxed
         figures = self.clock.row(fragment, final, self.outer.left_after_window(self.clock.total_steps))
-        ranks = self._ranks_per_group()
+        ranks = self.layout.ranks_per_replica()
         if ranks == 1:
             return figures
         summed = torch.tensor(figures, dtype=torch.int64, device=device)
-        self._sum_within_group(summed)
+        self.layout.sum_within_replica(summed)
         return combine_within_group(summed.tolist(), ranks)
-
-    def _sum_within_group(self, tensor: Tensor) -> None:
-        """Sum ``tensor`` over the ranks of this rank's replica (see :meth:`_ranks_per_group`)."""
-        self.layout.sum_within_replica(tensor)
 
     def _exchange_entries(self, indices: Sequence[int], deltas: Sequence[Tensor], outs: Sequence[Tensor]) -> list[Entry]:
         """What this rank hands the engine: each parameter's flat outer gradient (the layout's part of it) and

@@ -8,15 +8,11 @@ Optimization", for the outer optimizer as a server optimizer)::
     θ_global ← OuterOpt.step(θ_global, Δ̄)    e.g. Nesterov SGD: b ← μb + Δ̄;  θ ← θ − lr(Δ̄ + μb)
     θ_w      ← θ_global
 
-``θ_global`` is kept in fp32 (fp64 for fp64 parameters) whatever the parameters' dtype, so that a
-bf16 model's small outer steps do not round away; ``Δ`` is formed in that dtype too. It and the outer
-optimizer's state live on the parameters' device, or in host memory (``device="cpu"``, as torchft's
-``backup_device``: 2-3x the parameters' bytes kept off the accelerator); ``Δ`` is then formed on the
-parameters' device, from a copy of ``θ_global`` made there, and exchanged there.
-
-An outer gradient that is not finite on some worker (the engine makes the whole bucket NaN on every
-worker) is never applied: the outer step is skipped with a warning, and every worker restarts from the
-unchanged ``θ_global``, dropping the window's inner steps.
+``θ_global`` is kept in fp32 (fp64 for fp64 parameters) whatever the parameters' dtype, so that a bf16
+model's small outer steps do not round away, with the outer optimizer's state on the parameters' device or in
+host memory (``device="cpu"``, as torchft's ``backup_device``); ``Δ`` is formed in that dtype, on the
+parameters' device. A ``Δ̄`` that is not finite is never applied (:meth:`OuterModel.apply`): every worker
+restarts from the unchanged ``θ_global``.
 """
 
 from __future__ import annotations
@@ -307,12 +303,19 @@ def trainable_parameters(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def cpu_copy(value: Any) -> Any:
-    """``value`` with every tensor copied to the CPU (an optimizer's state dict holds its live tensors)."""
+#: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
+LOCAL_SHARD_KEY = "local_shard"
+
+
+def cpu_copy(value: Any, local_shards: bool = False) -> Any:
+    """``value`` with every tensor copied to the CPU (an optimizer's state dict holds its live tensors);
+    ``local_shards``: a DTensor as its local shard, ``{LOCAL_SHARD_KEY: tensor}`` (this rank's part)."""
+    if local_shards and isinstance(value, Tensor) and callable(getattr(value, "to_local", None)):
+        return {LOCAL_SHARD_KEY: value.to_local().detach().cpu().clone()}
     if isinstance(value, Tensor):
         return value.detach().cpu().clone()
     if isinstance(value, dict):
-        return {key: cpu_copy(item) for key, item in value.items()}
+        return {key: cpu_copy(item, local_shards) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(cpu_copy(item) for item in value)
+        return type(value)(cpu_copy(item, local_shards) for item in value)
     return value

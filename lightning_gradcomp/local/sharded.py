@@ -1,18 +1,6 @@
 """Local updates (DiLoCo, SparseLoCo's schedule, Streaming DiLoCo) on an FSDP2-sharded model: its loop, handle and
 builders (the sharded rows of :func:`~lightning_gradcomp.wiring.attach_exchange`).
 
-::
-
-    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["shard"])      # 1-D: FSDP shards inside the replica, nothing more
-    fully_shard(model, mesh=mesh["shard"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    gradcomp = lightning_gradcomp.local_updates(model, optimizer, sync_every=100, compressor="int8", mesh=mesh)
-    for batch in loader:
-        loss_fn(model(batch)).backward(); optimizer.step(); optimizer.zero_grad()   # FSDP inside the replica
-    gradcomp.sync()                                  # the end: every rank's shard set to θ_global's
-
 A replica is one ``"shard"`` group of the mesh: FSDP2's reduce-scatters and all-gathers run inside it every
 step, and nothing crosses between replicas until a synchronisation. There each rank's outer gradient of
 its *local shard*, ``Δ = θ_global − θ`` (DiLoCo, Douillard et al. 2023, Algorithm 1, applied shard by
@@ -41,23 +29,18 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_gradcomp.core.fsdp2 import check_group, check_mesh, fsdp_modules, local_shard, shard_layout, sharded_modules
+from lightning_gradcomp.core.fsdp2 import (check_every_parameter_sharded, check_group, check_mesh, fsdp_modules, local_shard,
+                                           shard_layout, sharded_modules)
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.session import ExchangeSession
 from lightning_gradcomp.exchange.drivers import CollectiveError, world_collective_device
 from lightning_gradcomp.local.config import LocalUpdates
 from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 from lightning_gradcomp.local.global_model import CopiedIn
-from lightning_gradcomp.local.handle import (
-    attach_fault_tolerant,
-    FaultTolerantHandle,
-    LocalUpdateHandle,
-)
+from lightning_gradcomp.local.handle import (attach_fault_tolerant, broadcast_from_first_rank, FaultTolerantHandle,
+                                             LocalUpdateHandle)
 from lightning_gradcomp.local.loop import LocalUpdateLoop, WholeModel
-from lightning_gradcomp.local.outer import cpu_copy
-
-#: the key under which a checkpoint keeps a DTensor's local shard (an inner optimizer's state)
-LOCAL_SHARD_KEY = "local_shard"
+from lightning_gradcomp.local.outer import cpu_copy, LOCAL_SHARD_KEY
 
 
 class ShownOnShards(CopiedIn):
@@ -94,8 +77,6 @@ class ShardsOfModel(WholeModel):
         shard_group: the replica's processes (default: the world, a fault-tolerant replica group's job).
     """
 
-    shards = True
-
     def __init__(self, module: torch.nn.Module, shard_group: Optional[dist.ProcessGroup] = None) -> None:
         self.module = module
         self.shard_group = shard_group
@@ -123,7 +104,9 @@ class ShardsOfModel(WholeModel):
                 f"{dist.get_rank(self.shard_group)} of {dist.get_world_size(self.shard_group)}: {error}") from error
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return sharded_optimizer_state(optimizer)
+        """``optimizer.state_dict()`` with every tensor copied to the CPU, a DTensor as its local shard
+        (``{"local_shard": tensor}``): this rank's part, loadable with plain ``torch.load``."""
+        return cpu_copy(optimizer.state_dict(), local_shards=True)
 
     def load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         load_sharded_optimizer_state(optimizer, state)
@@ -145,11 +128,7 @@ class ShardedLocalUpdateHandle(LocalUpdateHandle):
     :class:`~lightning_gradcomp.local.handle.LocalUpdateHandle`): its checkpoint entry holds every rank of the
     world, each its own shard's state, and its summary averages over every rank."""
 
-    def _entry_position(self) -> tuple[int, int]:
-        return dist.get_rank(), dist.get_world_size()
-
-    def _summary_group(self) -> Optional[dist.ProcessGroup]:
-        return None
+    _entry_covers_world = True
 
     def _collective_device(self) -> torch.device:
         return world_collective_device()
@@ -164,7 +143,7 @@ def attach_sharded(model: torch.nn.Module, mesh: DeviceMesh, config: LocalUpdate
     shard_group, replicate_group = check_mesh(mesh)
     _check_sharding(model, shard_group)
     device = next(model.parameters()).device
-    _broadcast_replica(model, replicate_group)
+    broadcast_from_first_rank(model, replicate_group, local_shard)  # every replica from the first replica's shards
     session = ExchangeSession(**options.keywords(), group=replicate_group, exchange_thread=config.delay > 0,
                               device=device, caller="local_updates(mesh=...)",
                               settings={**config.settings(), "shard layout": shard_layout(model)})
@@ -194,40 +173,13 @@ def _check_sharding(model: torch.nn.Module, shard_group: dist.ProcessGroup) -> N
     for module_name, _, param_group in fsdp_modules(model, "local_updates"):
         check_group(module_name, param_group, shard_group, "local_updates")
         sharded |= {names.get(id(fsdp_param.sharded_param)) for fsdp_param in param_group.fsdp_params}
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in sharded]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"gradcomp.local_updates: the trainable parameters {shown} are not sharded by any "
-                         "fully_shard, so the ranks of a replica would train them apart; apply "
-                         "fully_shard(module, mesh=mesh['shard']) to the modules holding them, and finally to the "
-                         "root module")
-
-
-@torch.no_grad()
-def _broadcast_replica(model: torch.nn.Module, replicate_group: dist.ProcessGroup) -> None:
-    """Every replica starts from the first replica's shards and buffers (the same shard's ranks agree)."""
-    source = dist.get_global_rank(replicate_group, 0)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(local_shard(tensor), source, group=replicate_group)
-
-
-def sharded_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every tensor copied to the CPU, a DTensor as its local shard
-    (``{"local_shard": tensor}``): this rank's part, loadable with plain ``torch.load``."""
-    def local(value: Any) -> Any:
-        if isinstance(value, Tensor) and callable(getattr(value, "to_local", None)):
-            return {LOCAL_SHARD_KEY: value.to_local().detach().cpu().clone()}
-        if isinstance(value, dict):
-            return {key: local(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(local(item) for item in value)
-        return cpu_copy(value)
-    return local(optimizer.state_dict())
+    check_every_parameter_sharded(model, sharded, "gradcomp.local_updates: the trainable parameters {} are not "
+                                  "sharded by any fully_shard, so the ranks of a replica would train them apart")
 
 
 def load_sharded_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
-    """Restore a :func:`sharded_optimizer_state`: each local shard becomes a DTensor again, laid out as the
-    parameter it belongs to."""
+    """Restore an optimizer state saved by :meth:`ShardsOfModel.optimizer_state`: each local shard becomes a
+    DTensor again, laid out as the parameter it belongs to."""
     from torch.distributed.tensor import DTensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]

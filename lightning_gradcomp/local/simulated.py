@@ -1,39 +1,5 @@
-"""N workers' local-update training on one device: replicas that really diverge, one module.
-
-Each simulated worker has its own parameters, buffers and inner-optimizer state; the module holds one
-worker's at a time (:meth:`SimulatedLocalUpdates.worker` swaps them in by reference, no copy), so the
-user's model, optimizer and training code run unchanged::
-
-    sim = SimulatedLocalUpdates(model, [optimizer], LocalUpdates(sync_every=50), workers=4, compressor="int8")
-    for batch in loader:
-        for worker, part in enumerate(batch.chunk(4)):
-            with sim.worker(worker):
-                loss_fn(model(part)).backward(); optimizer.step(); optimizer.zero_grad()
-        sim.step()                              # every 50 steps: the outer synchronisation
-    with sim.global_weights():                  # θ_global in the module: evaluate, save model.state_dict()
-        evaluate(model)
-    sim.sync()                                  # the end: every replica (and the module) set to θ_global
-
-Heterogeneous workers, reproducibly (``speeds``, ``stalls``): time runs in units of one inner step of a worker
-of speed 1; a worker of speed ``v`` takes ``1/v`` units per step, and a stall adds units to one window. Lock-step
-(``window_seconds=None``): every worker takes ``H`` steps per window, which lasts as long as its slowest worker
-(``max_m H/v_m + stall``). Time-boxed (``window_seconds``: ``"auto"``, ``H/max v`` units, or a number of
-units): a window lasts ``W`` units and worker ``m`` takes ``F·round((W − stall)·v_m/F)`` steps of it, spread over
-the window's ticks (a tick is one step of the fastest worker); the loop asks who steps at each tick::
-
-    sim = SimulatedLocalUpdates(model, [optimizer], LocalUpdates(50, window_seconds="auto"), workers=3,
-                                speeds=(1, 1, 0.5), stalls={2: [(3, 40.0)]})   # worker 2 loses 40 units in window 3
-    for batch in loader:                        # one tick
-        for worker in sim.stepping():           # the workers whose step falls on this tick
-            with sim.worker(worker): ...
-        sim.step()
-    sim.elapsed, sim.samples                    # simulated time units, and each worker's inner steps so far
-
-The synchronisation runs every worker's outer gradient through the same engine as a real rank, with
-the in-process driver (:class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange`), averages the
-buffers in worker order and steps the outer optimizer, so that it matches a real N-process run
-(``tests/test_local_updates.py``). Memory: N copies of the parameters, buffers and optimizer state.
-"""
+"""N workers' local-update training on one device: replicas that really diverge, one module
+(:class:`SimulatedLocalUpdates`)."""
 
 from __future__ import annotations
 
@@ -51,16 +17,15 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.options import ExchangeOptions
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.local.config import LocalUpdates, warn_compounding_momentum
-from lightning_gradcomp.local.global_model import GlobalBuffers
 from lightning_gradcomp.local.loop import load_local_state, local_state, PendingSync, ScheduledSyncs
-from lightning_gradcomp.local.fragments import buffer_fragments, fragment_assignment
+from lightning_gradcomp.local.fragments import fragment_assignment
 from lightning_gradcomp.local.outer import (
     averaged,
     buffer_dtype,
     OuterModel,
     trainable_parameters,
 )
-from lightning_gradcomp.local.windows import GroupFigures, UNBOUNDED, WindowClock
+from lightning_gradcomp.local.windows import GroupFigures, UNBOUNDED
 
 #: ``stalls``: per worker, the windows in which it stalls and for how many time units
 Stalls = Mapping[int, Sequence[tuple[int, float]]]
@@ -78,6 +43,36 @@ class _Replica:
 class SimulatedLocalUpdates(ScheduledSyncs):
     """``workers`` replicas of ``module`` trained with local updates on one device.
 
+    Each simulated worker has its own parameters, buffers and inner-optimizer state; the module holds one
+    worker's at a time (:meth:`worker` swaps them in by reference, no copy), so the user's model, optimizer
+    and training code run unchanged:
+
+    ```python
+    sim = SimulatedLocalUpdates(model, [optimizer], LocalUpdates(sync_every=50), workers=4, compressor="int8")
+    for batch in loader:
+        for worker, part in enumerate(batch.chunk(4)):
+            with sim.worker(worker):
+                loss_fn(model(part)).backward(); optimizer.step(); optimizer.zero_grad()
+        sim.step()                              # every 50 steps: the outer synchronisation
+    with sim.global_weights():                  # θ_global in the module: evaluate, save model.state_dict()
+        evaluate(model)
+    sim.sync()                                  # the end: every replica (and the module) set to θ_global
+    ```
+
+    Heterogeneous workers, reproducibly (``speeds``, ``stalls``): time runs in units of one inner step of a
+    worker of speed 1; a worker of speed ``v`` takes ``1/v`` units per step, and a stall adds units to one
+    window. Lock-step (``window_seconds=None``): every worker takes ``H`` steps per window, which lasts as long
+    as its slowest worker (``max_m H/v_m + stall``). Time-boxed (``window_seconds``: ``"auto"``, ``H/max v``
+    units, or a number of units): a window lasts ``W`` units and worker ``m`` takes ``F·round((W − stall)·v_m/F)``
+    steps of it, spread over the window's ticks (a tick is one step of the fastest worker); the loop steps the
+    workers of :meth:`stepping` at each tick, and :attr:`elapsed` and :attr:`samples` count the simulated time
+    units and each worker's inner steps.
+
+    The synchronisation runs every worker's outer gradient through the same engine as a real rank, with the
+    in-process driver (:class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange`), averages the buffers
+    in worker order and steps the outer optimizer, so that it matches a real N-process run. Memory: N copies of
+    the parameters, buffers and optimizer state.
+
     Args:
         module: the model; its current values start every replica.
         optimizers: the inner optimizers over ``module``'s parameters (each worker gets its own state).
@@ -86,7 +81,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         compressor, error_feedback, min_compress_numel, seed: the outer gradients' compression, as for
             :class:`~lightning_gradcomp.exchange.simulated.SimulatedExchange` (default: uncompressed).
         exchange: an exchange to use instead (then the four options above must be left as they are).
-        speeds: each worker's inner steps per time unit (default: all 1; see the module's text).
+        speeds: each worker's inner steps per time unit (default: all 1; see above).
         stalls: ``{worker: [(window, units), ...]}``: the windows (counted from 0) in which a worker stalls, and
             for how many time units.
     """
@@ -116,8 +111,6 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         self.outer = OuterModel(self.names, self.params,
                                 dataclasses.replace(config, sync_every=ticks, window_seconds=None),
                                 fragment_of=fragment_assignment(module, self.names, config))
-        self.clock = WindowClock(self.outer.fragments)
-        self.weight_by = config.weight_by
         #: simulated time units so far, and each worker's inner steps so far
         self.elapsed = 0.0
         self.samples = [0] * exchange.workers
@@ -125,12 +118,7 @@ class SimulatedLocalUpdates(ScheduledSyncs):
         self._units = [[0] * exchange.workers for _ in range(self.outer.fragments)]
         self._reported: list[Optional[int]] = [None] * exchange.workers
         self._steps_this_window = self._plan_window(0)
-        self.buffer_fragment = buffer_fragments([name for name, _ in self.buffers], self.names,
-                                                self.outer.fragment_of, self.outer.fragments)
-        self.global_buffers = GlobalBuffers([buffer for _, buffer in self.buffers], self.buffer_fragment)
-        self._record_first_use(module, config)
-        self.pending: list[PendingSync] = []
-        self.synced = False
+        self._set_up(module, config)
         first = _Replica([p.data for p in self.params], [b.data for _, b in self.buffers],
                          [optimizer.state for optimizer in self.optimizers])
         self.replicas = [first] + [
@@ -142,10 +130,6 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     @property
     def workers(self) -> int:
         return self.exchange.workers
-
-    @property
-    def sync_every(self) -> int:
-        return self.outer.sync_every
 
     # ------------------------------------------------------------------ heterogeneous workers
     def _stalled(self, worker: int, window: int) -> float:
@@ -290,21 +274,26 @@ class SimulatedLocalUpdates(ScheduledSyncs):
     @torch.no_grad()
     def adopt_global(self) -> None:
         """Every replica's parameters and floating-point buffers set to ``θ_global``'s."""
+        with self._visiting():
+            for replica in self.replicas:
+                self.outer.merge(replica.params, range(len(self.params)), 0.0)
+                self.global_buffers.copy_into(replica.buffers)
+
+    @contextmanager
+    def _visiting(self) -> Iterator[None]:
+        """Inside, the module holds the replicas (also inside :meth:`global_weights`), the current worker's
+        recorded first, and the workers may be entered in turn; afterwards it holds the current worker's again."""
         with self._replica_shown():
             self._keep()
-            everything = range(len(self.params))
-            for replica in self.replicas:
-                self.outer.merge(replica.params, everything, 0.0)
-                self.global_buffers.copy_into(replica.buffers)
-            self.enter(self.current)
+            current = self.current
+            yield
+            self.enter(current)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dicts(self) -> list[dict[str, Any]]:
         """Every worker's local-update state (:func:`~lightning_gradcomp.local.loop.local_state`); the outer
         state once, in worker 0's (the replicas, also inside :meth:`global_weights`)."""
-        with self._replica_shown():
-            self._keep()
-            current = self.current
+        with self._visiting():
             states = []
             for worker in range(self.workers):
                 self.enter(worker)
@@ -315,17 +304,14 @@ class SimulatedLocalUpdates(ScheduledSyncs):
             states[0]["simulation"] = {"elapsed": self.elapsed, "samples": list(self.samples),
                                        "units": [list(units) for units in self._units],
                                        "steps_this_window": list(self._steps_this_window)}
-            self.enter(current)
-            return states
+        return states
 
     def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         if len(states) != self.workers:
             raise ValueError(f"gradcomp: the checkpoint holds the local-update state of {len(states)} workers, this "
                              f"simulation has {self.workers}")
         self._adopt_saved_fragments(states[0].get("outer") if states else None)
-        with self._replica_shown():
-            self._keep()
-            current = self.current
+        with self._visiting():
             for worker, state in enumerate(states):
                 self.enter(worker)
                 load_local_state(state, self.names, self.params, self.buffers, self.optimizers,
@@ -339,7 +325,6 @@ class SimulatedLocalUpdates(ScheduledSyncs):
                 self.elapsed, self.samples = float(simulation["elapsed"]), list(simulation["samples"])
                 self._units = [list(units) for units in simulation["units"]]
                 self._steps_this_window = list(simulation["steps_this_window"])
-            self.enter(current)
 
 
 def check_speeds(speeds: Optional[Sequence[float]], workers: int) -> list[float]:

@@ -18,20 +18,10 @@ synchronisation, ``F`` the fragments and ``τ`` the ``delay``. Each rank multipl
 so a lock-step run is unchanged bit for bit.
 
 The figures travel in the all-gather with which every synchronisation already checks the schedule
-(:meth:`~lightning_gradcomp.local.loop.LocalUpdateLoop.agree_on_schedule`): one row per rank, the same plan computed on
-every rank. The ranks of a group (an FSDP2 replica's shards, the processes of a fault-tolerant group) sum their
-counts and average their step times first, so that they take the same number of steps.
-
-A group of one process also ends its window at the window's deadline (``W`` after the synchronisation that
-began it), if that comes before its planned steps: a group that began the window late (it healed from the
-others under fault tolerance, or stalled) arrives on time instead of late again (the ranks of a group of
-several processes keep to the planned steps, which they agreed on; with fragments, too).
-
-The end of a time-boxed run: each rank says how many inner steps its loop takes in all
-(:meth:`WindowClock.run_for`; the Trainer strategies say it from ``trainer.estimated_stepping_batches``); when a
-group has less than one and a half windows left, the next window is the last one, stretched or shrunk so that
-this group ends exactly at its last step (the others in proportion), and every rank's loop ends there together
-(:attr:`~lightning_gradcomp.local.outer.OuterModel.finished`).
+(:meth:`~lightning_gradcomp.local.loop.LocalUpdateLoop.agree_on_schedule`), the ranks of a group (an FSDP2
+replica's shards, the processes of a fault-tolerant group) combined first, so that every rank computes the same
+plan (:func:`plan_windows`, which also plans a run's last window). A group of one process also ends its window
+at the window's deadline (:meth:`WindowClock.past_deadline`).
 """
 
 from __future__ import annotations
