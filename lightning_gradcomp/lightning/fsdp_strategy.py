@@ -50,7 +50,7 @@ from lightning_gradcomp.lightning.options import (
     check_process_group_backend,
     check_timeout,
     configure_strategy,
-    current_options,
+    HoldsOptions,
 )
 from lightning_gradcomp.lightning.trainer_exchange import TrainerExchange
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
@@ -60,7 +60,7 @@ from lightning_gradcomp.local.loop import ScheduledSyncs
 from lightning_gradcomp.metrics.stats import StepStats
 
 
-class GradCompFSDPStrategy(TrainerExchange, ShowsGlobalModel, ShardsInReplicas, ModelParallelStrategy):
+class GradCompFSDPStrategy(TrainerExchange, ShowsGlobalModel, HoldsOptions, ShardsInReplicas, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) inside each replica, the compressed exchange between replicas (HSDP).
 
     The processes form a 2-D ``DeviceMesh`` with dimensions ``("replicate", "shard")``: ``shard_size``
@@ -227,7 +227,7 @@ class GradCompFSDPStrategy(TrainerExchange, ShowsGlobalModel, ShardsInReplicas, 
         :func:`~lightning_gradcomp.wiring.attach_exchange`)."""
         if self.gradcomp is not None:
             self.gradcomp.close()
-        plan = ExchangePlan(current_options(self), self.local_updates, self.fault_tolerance, self.global_device,
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
                             timeout=self._timeout or DEFAULT_CHECKPOINT_TIMEOUT, caller="GradCompFSDPStrategy")
         self.gradcomp = attach_exchange(self.lightning_module, plan, mesh=self.device_mesh)
 

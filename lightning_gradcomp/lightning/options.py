@@ -25,11 +25,10 @@ from lightning_gradcomp.local.fault_tolerance import FaultTolerance
 
 def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_feedback: Optional[bool],
                        min_compress_numel: int, seed: int, log_stats: bool, print_summary: bool) -> None:
-    """Validate the options both strategies share and set them as the strategy's attributes (``options``, the
-    :class:`~lightning_gradcomp.ExchangeOptions`, and its ``compressor``, ``error_feedback``,
-    ``min_compress_numel``, ``seed``; ``log_stats``, ``print_summary``)."""
+    """Validate the options the Trainer and simulation strategies share and set them as the strategy's attributes
+    (``compressor``, ``error_feedback``, ``min_compress_numel``, ``seed``: :attr:`HoldsOptions.options`;
+    ``log_stats``, ``print_summary``)."""
     options = ExchangeOptions(compressor, error_feedback, min_compress_numel, seed)
-    strategy.options = options
     strategy.compressor = options.compressor
     strategy.error_feedback = options.error_feedback
     strategy.min_compress_numel = options.min_compress_numel
@@ -38,10 +37,20 @@ def configure_strategy(strategy: Any, compressor: Union[Compressor, str], error_
     strategy.print_summary = check_bool(print_summary, "print_summary")
 
 
-def current_options(strategy: Any) -> ExchangeOptions:
-    """A Trainer strategy's options as its attributes hold them when ``fit`` starts (a ``compressor`` or
-    ``seed`` set after construction is the one used, as the callbacks and the checks see it)."""
-    return ExchangeOptions(strategy.compressor, strategy.error_feedback, strategy.min_compress_numel, strategy.seed)
+class HoldsOptions:
+    """Mixin of the Trainer and simulation strategies, whose compression options are attributes (set by
+    :func:`configure_strategy`; changed after construction, the new value is the one ``fit`` uses)."""
+
+    compressor: Compressor
+    error_feedback: Optional[bool]
+    min_compress_numel: int
+    seed: int
+
+    @property
+    def options(self) -> ExchangeOptions:
+        """The :class:`~lightning_gradcomp.ExchangeOptions` the strategy's attributes make now (what ``fit`` uses
+        when it starts, as the callbacks and the checks see it)."""
+        return ExchangeOptions(self.compressor, self.error_feedback, self.min_compress_numel, self.seed)
 
 
 def check_process_group_backend(backend: Optional[str]) -> Optional[str]:

@@ -21,7 +21,7 @@ from lightning_gradcomp.ddp.hierarchy import check_hierarchy, local_average
 from lightning_gradcomp.exchange.simulated import SimulatedExchange
 from lightning_gradcomp.lightning.checkpointing import RestoresCompressionState
 from lightning_gradcomp.lightning.local_updates_fit import ShowsGlobalModel
-from lightning_gradcomp.lightning.options import configure_strategy
+from lightning_gradcomp.lightning.options import configure_strategy, HoldsOptions
 from lightning_gradcomp.lightning.options import check_fit_setup, check_gradient_clipping
 from lightning_gradcomp.lightning.trainer_exchange import print_fit_summary
 from lightning_gradcomp.local.config import check_local_updates, LocalUpdates
@@ -31,7 +31,7 @@ from lightning_gradcomp.metrics.stats import StepStats
 
 
 
-class GradCompSimStrategy(ShowsGlobalModel, RestoresCompressionState, SingleDeviceStrategy):
+class GradCompSimStrategy(ShowsGlobalModel, RestoresCompressionState, HoldsOptions, SingleDeviceStrategy):
     """Simulate ``workers`` data-parallel workers with compressed gradient exchange on one device.
 
     Each batch is split into ``workers`` equal parts along ``batch_dim``. For each part in turn: the

@@ -38,7 +38,7 @@ from lightning_gradcomp.lightning.options import (
     check_start_method,
     check_timeout,
     configure_strategy,
-    current_options,
+    HoldsOptions,
     ExtendsDDP,
     local_update_ddp_kwargs,
 )
@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 _REPLACED_DDP_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class GradCompStrategy(TrainerExchange, ShowsGlobalModel, RestoresCompressionState, ExtendsDDP, DDPStrategy):
+class GradCompStrategy(TrainerExchange, ShowsGlobalModel, RestoresCompressionState, HoldsOptions, ExtendsDDP,
+                       DDPStrategy):
     """Data-parallel training whose gradients cross the network compressed.
 
     A subclass of Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
@@ -226,7 +227,7 @@ class GradCompStrategy(TrainerExchange, ShowsGlobalModel, RestoresCompressionSta
                                "bytes; use hierarchy='none' on one node")
             groups = node_groups(self.num_nodes, self.num_processes)
         # under fault tolerance this Trainer is one replica group; the quorum is taken now
-        plan = ExchangePlan(current_options(self), self.local_updates, self.fault_tolerance, self.global_device,
+        plan = ExchangePlan(self.options, self.local_updates, self.fault_tolerance, self.global_device,
                             exchange_thread=self.exchange_thread, caller="GradCompStrategy", checked_by_caller=True)
         self.gradcomp = attach_exchange(self.lightning_module, plan, ddp=self.model, node_groups=groups)
         self.hook_state = self.gradcomp.hook_state
