@@ -16,8 +16,8 @@ def check_density(density: float, parameter: str = "density") -> float:
 
 def check_int(value: int, parameter: str, low: int, high: Optional[int] = None) -> int:
     """Validate an integer in ``[low, high]``."""
-    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
         raise ValueError(f"`{parameter}` must be {allowed}, got {value!r}")
     return value
 
