@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 # The helpers a compressor needs, importable from here by compressor authors:
-from lightning_gradcomp.core.checks import check_bool, check_density, check_int  # noqa: F401
+from lightning_gradcomp.core.checks import check_bool, check_density, check_int, check_number  # noqa: F401
 from lightning_gradcomp.core.device import host_reads_allowed
 from lightning_gradcomp.core.protocol import Gather, Mean, Outcome, Protocol, Round, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState

@@ -67,7 +67,7 @@ def unpack(packed: Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int
 
 
 def _group_layout(bits: int) -> tuple[int, int]:
-    """``(codes, bytes)`` of the smallest group of ``bits``-bit codes (``bits <= 8``) that fills whole bytes."""
+    """``(codes, bytes)`` of the smallest group of ``bits``-bit codes that fills whole bytes."""
     group = 8 // math.gcd(8, bits)
     return group, group * bits // 8
 
@@ -114,7 +114,7 @@ def _pack_groups(groups: Tensor, bits: int) -> Tensor:
         return torch.cat([low, _pack_groups(groups >> 8, bits - 8)], dim=1)
     if bits == 8:
         return groups.to(torch.uint8)
-    shifts, byte_shifts = _group_shifts(bits, groups.device)
+    shifts, byte_shifts = _word_shifts(bits, 8, groups.device), _word_shifts(8, bits, groups.device)
     words = (groups << shifts).sum(dim=1, keepdim=True)  # disjoint bit ranges: sum == bitwise or
     return ((words >> byte_shifts) & 0xFF).to(torch.uint8)
 
@@ -125,16 +125,9 @@ def _unpack_groups(groups: Tensor, bits: int) -> Tensor:
         return low | (_unpack_groups(groups[:, 8:], bits - 8) << 8)
     if bits == 8:
         return groups.to(torch.int64)
-    shifts, byte_shifts = _group_shifts(bits, groups.device)
+    shifts, byte_shifts = _word_shifts(bits, 8, groups.device), _word_shifts(8, bits, groups.device)
     words = (groups.to(torch.int64) << byte_shifts).sum(dim=1, keepdim=True)
     return (words >> shifts) & ((1 << bits) - 1)
-
-
-def _group_shifts(bits: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(code shifts, byte shifts)`` of a group of 8 codes of ``bits < 8`` bits in ``bits`` bytes, as int64,
-    kept per device."""
-    return device_constant(("group shifts", bits), device, lambda: (torch.arange(8, dtype=torch.int64) * bits,
-                                                                   torch.arange(bits, dtype=torch.int64) * 8))
 
 
 def pack_signs(negative: Tensor) -> Tensor:
@@ -142,24 +135,14 @@ def pack_signs(negative: Tensor) -> Tensor:
     ``j`` of byte ``i``: two operations (a shift and a sum), whatever the size. The bucket-wise sign
     format (:mod:`~lightning_gradcomp.compressors.sign`); :func:`pack` lays bits out in lanes instead."""
     rows = negative.view(torch.uint8).view(-1, 8)
-    return rows.bitwise_left_shift(_shifts(negative.device)).sum(dim=1, dtype=torch.uint8)
+    return rows.bitwise_left_shift(_word_shifts(1, 8, negative.device, torch.uint8)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: Tensor) -> Tensor:
     """Inverse of :func:`pack_signs` over the last dimension: ``(..., n)`` bytes -> ``(..., 8n)`` uint8
     0/1, in two operations."""
-    bits = packed.unsqueeze(-1).bitwise_right_shift(_shifts(packed.device)).bitwise_and_(1)
+    bits = packed.unsqueeze(-1).bitwise_right_shift(_word_shifts(1, 8, packed.device, torch.uint8)).bitwise_and_(1)
     return bits.view(*packed.shape[:-1], packed.shape[-1] * 8)
-
-
-_SHIFTS: dict[str, Tensor] = {}
-
-
-def _shifts(device: torch.device) -> Tensor:
-    key = str(device)
-    if key not in _SHIFTS:
-        _SHIFTS[key] = torch.arange(8, dtype=torch.uint8, device=device)
-    return _SHIFTS[key]
 
 
 def pack_grouped(codes: Tensor, bits: int) -> Tensor:
@@ -171,18 +154,18 @@ def pack_grouped(codes: Tensor, bits: int) -> Tensor:
     group, width = _group_layout(bits)
     if group == 1:
         return codes
-    layout = _grouped_constants(bits, codes.device)
     if width == 1:  # 1, 2 or 4 bits: the group fills one byte, no wider word needed
-        return codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(layout[2]).sum(dim=-1, dtype=torch.uint8)
+        shifts = _word_shifts(bits, group, codes.device, torch.uint8)
+        return codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(shifts).sum(dim=-1, dtype=torch.uint8)
     word = _grouped_word(width)
     if word is not None:  # the group's word (the shift widens the uint8 codes), its low bytes in memory order
         shifts = _word_shifts(bits, group, codes.device, word)
         words = codes.view(*codes.shape[:-1], -1, group).bitwise_left_shift(shifts).sum(dim=-1, keepdim=True,
                                                                                           dtype=word)
         return words.view(torch.uint8)[..., :width].reshape(*codes.shape[:-1], -1)
-    words = codes.view(*codes.shape[:-1], -1, group).to(torch.int64).bitwise_left_shift_(layout[0]).sum(dim=-1,
-                                                                                                       keepdim=True)
-    return words.bitwise_right_shift(layout[1]).to(torch.uint8).view(*codes.shape[:-1], -1)
+    words = codes.view(*codes.shape[:-1], -1, group).to(torch.int64).bitwise_left_shift_(
+        _word_shifts(bits, group, codes.device)).sum(dim=-1, keepdim=True)
+    return words.bitwise_right_shift(_word_shifts(8, width, codes.device)).to(torch.uint8).view(*codes.shape[:-1], -1)
 
 
 def unpack_grouped(packed: Tensor, bits: int, dtype: Optional[torch.dtype] = torch.uint8) -> Tensor:
@@ -191,9 +174,9 @@ def unpack_grouped(packed: Tensor, bits: int, dtype: Optional[torch.dtype] = tor
     group, width = _group_layout(bits)
     if group == 1:
         return packed if dtype is None else packed.to(dtype)
-    layout = _grouped_constants(bits, packed.device)
     if width == 1:
-        codes = packed.unsqueeze(-1).bitwise_right_shift(layout[2]).bitwise_and_((1 << bits) - 1)
+        codes = packed.unsqueeze(-1).bitwise_right_shift(_word_shifts(bits, group, packed.device, torch.uint8))
+        codes = codes.bitwise_and_((1 << bits) - 1)
         codes = codes.view(*packed.shape[:-1], -1)
         return codes if dtype is None else codes.to(dtype)
     word = _grouped_word(width)
@@ -205,9 +188,9 @@ def unpack_grouped(packed: Tensor, bits: int, dtype: Optional[torch.dtype] = tor
         return codes if dtype is None else codes.to(dtype)
     if dtype is None:
         dtype = torch.int64
-    words = packed.view(*packed.shape[:-1], -1, width).to(torch.int64).bitwise_left_shift_(layout[1]).sum(
-        dim=-1, keepdim=True)
-    codes = words.bitwise_right_shift(layout[0]).bitwise_and_((1 << bits) - 1).to(dtype)
+    words = packed.view(*packed.shape[:-1], -1, width).to(torch.int64).bitwise_left_shift_(
+        _word_shifts(8, width, packed.device)).sum(dim=-1, keepdim=True)
+    codes = words.bitwise_right_shift(_word_shifts(bits, group, packed.device)).bitwise_and_((1 << bits) - 1).to(dtype)
     return codes.view(*packed.shape[:-1], -1)
 
 
@@ -218,19 +201,6 @@ def _grouped_word(width: int) -> Optional[torch.dtype]:
     if sys.byteorder != "little":
         return None
     return torch.int32 if width <= 3 else torch.int64
-
-
-_GROUPED: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
-
-
-def _grouped_constants(bits: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(code shifts, byte shifts)`` of a group as int64, and the code shifts as uint8."""
-    key = (bits, str(device))
-    if key not in _GROUPED:
-        group, width = _group_layout(bits)
-        shifts = torch.arange(group, dtype=torch.int64, device=device) * bits
-        _GROUPED[key] = (shifts, torch.arange(width, dtype=torch.int64, device=device) * 8, shifts.to(torch.uint8))
-    return _GROUPED[key]
 
 
 def pack_rows(codes: Tensor, bits: int) -> Tensor:
@@ -281,13 +251,12 @@ def _word_layout(bits: int) -> Optional[tuple[int, int]]:
     """``(codes, bytes)`` of the smallest group of ``bits > 8``-bit codes that fills whole bytes, where it
     fits a 64-bit word (and the machine is little-endian, which :func:`pack_rows` reads words in);
     ``None`` otherwise."""
-    group = 8 // math.gcd(8, bits)
-    if bits <= 8 or group * bits > 64 or sys.byteorder != "little":
-        return None
-    return group, group * bits // 8
+    group, width = _group_layout(bits)
+    return None if bits <= 8 or width > 8 or sys.byteorder != "little" else (group, width)
 
 
 def _word_shifts(bits: int, group: int, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    """``(0, bits, 2·bits, ...)``: each code's place in its group's word, as ``dtype``, kept per device."""
+    """``(0, bits, 2·bits, ...)``, ``group`` of them: each code's place in its group's word (``bits = 8``: each
+    byte's), as ``dtype``, kept per device."""
     return device_constant(("word shifts", bits, group, dtype), device,
                            lambda: torch.arange(group, dtype=dtype) * bits)

@@ -16,23 +16,15 @@ The compressor does steps 2-6 and hands ``ĝ = sign(IDCT(mean))`` to the optimiz
 The learning rate and the weight decay live in the optimizer, which must be plain SGD (no momentum, no
 moments: DeMo's momentum replaces them, :meth:`DeMo.check_optimizer` refuses the others):
 ``SGD(lr=η, weight_decay=λ)`` computes ``p ← p − η·(ĝ + λ·p) = p·(1 − η·λ) − η·ĝ``, steps 1 and 7 exactly.
-Step 2 reads each parameter's ``η`` from the parameter group of that optimizer that holds it, at every
-step (a scheduler changes it; a group's ``lr`` may be a 0-d tensor), so the momentum weighs each
-gradient by its step's learning rate as the reference does, also when the groups' ratios change. The
-compressor sees tensors by name: binding (:meth:`DeMo.check_optimizer` with ``names``, ``{id(parameter):
-name}`` of the model's ``named_parameters()``) maps each name to its group, and the map follows groups
-added later (``add_param_group``). The strategies bind with the names when they check the optimizers, a
-bare ``register()`` user calls ``gradcomp.bind(optimizer)`` before the first backward (the handle warns at
-the first exchange when none is bound, and checks and binds the first optimizer that steps the model,
-one step late); several optimizers may be bound (each parameter takes the group of the one that holds it).
-A parameter that no optimizer bound with names holds (trainable, but in none of their groups: stepped by
-no optimizer, or by one not bound yet) takes ``η = 1``, as an unbound DeMo does, with a warning naming it
-once; it is not an error, as a model's optimizers are bound one at a time (and a parameter that no
-optimizer steps does not move whatever its ``η``). An optimizer bound without names (a direct
-``check_optimizer(optimizer)`` call) gives every parameter its first group's ``η``; with several groups it
-warns that it cannot tell them apart.
+Step 2 reads each parameter's ``η`` from the parameter group that holds it in the optimizers bound by
+:meth:`DeMo.check_optimizer`, at every step (a scheduler changes it; a group's ``lr`` may be a 0-d tensor),
+so the momentum weighs each gradient by its step's learning rate as the reference does. The strategies
+bind with the parameters' names when they check the optimizers; a bare ``register()`` user calls
+``gradcomp.bind(optimizer)`` before the first backward (the handle warns at the first exchange when none is
+bound, and binds the first optimizer that steps the model, one step late). A parameter that no bound
+optimizer holds takes ``η = 1`` with a warning, not an error: a model's optimizers are bound one at a time.
 Unbound (as the outer compressor of local updates, whose outer gradients already carry the learning
-rate), ``η = 1`` in step 2.
+rate), ``η = 1``.
 
 Tiles (the reference's ``TransformDCT``): a weight of shape ``(R, C, ...)`` is viewed as ``(R, C·...)``
 (the reference handles 2-D weights only; a convolution's trailing dimensions are flattened here) and cut
@@ -52,18 +44,9 @@ values in the gradient's dtype or in ``value_dtype``. The momentum keeps what ro
 For a 64 × 64 tile with fp32 values that is 32·(12 + 32)/8 = 176 bytes for 16 KiB: 93x fewer bytes than
 fp32; with bf16 values 146x.
 
-On accelerators a whole bucket is compressed at once (:meth:`DeMo.exchange_segments`): its tensors are
-grouped by tile shape, and each group's tiles are transformed, selected, packed and decoded together
-(a few dozen operations per group, not per tensor), with the same values as per tensor up to rounding.
-Step 2's ``η`` there is a number per group where its tensors' parameter groups share one, else a column of
-one value per tile (kept while the learning rates stay the same; one multiplication either way).
-
-Tensors the strategy sends dense (fewer than ``min_compress_numel`` elements) take DeMo with every
-coefficient sent: ``δ ← β·δ + η·g`` is averaged whole and its sign handed on, ``δ ← 0``.
-
-As the outer compressor of local updates (the outer gradient in place of ``g``), use ``sign=False``, a
-shorter memory (``decay=0.95``) and plain outer SGD at lr 1, as SparseLoCo does: an outer optimizer with a
-momentum of its own compounds with DeMo's.
+On accelerators a whole bucket is compressed at once (:meth:`DeMo.exchange_segments`: a few dozen operations
+per group of tensors of one tile shape, not per tensor), with the same values as per tensor up to rounding.
+Tensors sent dense, and DeMo as the outer compressor of local updates: docs/compressors.md.
 """
 
 from __future__ import annotations
@@ -87,6 +70,7 @@ from lightning_gradcomp.compressors.base import (
     squared_norm,
 )
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.device import full_precision_matmuls, state_dtype, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
@@ -251,9 +235,7 @@ class DeMo(Compressor):
                  value_dtype: Optional[str] = None) -> None:
         self.chunk = check_int(chunk, "chunk", 1)
         self.k = check_int(k, "k", 1)
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise ValueError(f"`decay` must be a number in [0, 1), got {decay!r}")
-        self.decay = float(decay)
+        self.decay = check_number(decay, "decay", "a number in [0, 1)", lambda value: 0.0 <= value < 1.0)
         self.sign = check_bool(sign, "sign")
         if value_dtype is not None and value_dtype not in VALUE_DTYPES:
             raise ValueError(f"`value_dtype` must be None or one of {', '.join(map(repr, VALUE_DTYPES))}, "
@@ -465,7 +447,10 @@ class DeMo(Compressor):
         if wire == momentum.dtype:  # sent exactly
             momentum.scatter_(1, chosen, 0.0)
             return chosen, selected
-        values = self._wire_values(selected, wire)
+        if torch.finfo(wire).max < torch.finfo(selected.dtype).max:  # fp16: clamped (the excess stays, not inf)
+            values = selected.clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
+        else:
+            values = selected.to(wire, copy=True)
         momentum.scatter_(1, chosen, selected.sub_(values.to(momentum.dtype)))
         return chosen, values
 
@@ -478,13 +463,6 @@ class DeMo(Compressor):
                           f"and k={self.k} sends every coefficient with its index: more bytes than sending it dense; "
                           "pad the dimension, lower k, or raise min_compress_numel above its size",
                           RuntimeWarning, stacklevel=3)
-
-    def _wire_values(self, selected: Tensor, wire: torch.dtype) -> Tensor:
-        """The selected coefficients in the wire's dtype (a copy); with fp16, what would overflow is clamped
-        (the excess stays in the momentum, not inf)."""
-        if torch.finfo(wire).max < torch.finfo(selected.dtype).max:
-            return selected.clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
-        return selected.to(wire, copy=True)
 
     def _coefficients(self, payload: Payload) -> tuple[Tensor, Tensor]:
         """``(indices within each tile, values)``, both ``(tiles, k)``."""

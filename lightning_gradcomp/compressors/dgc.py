@@ -19,6 +19,7 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.compressors.selection import CONTIGUOUS_BLOCK, check_selection, segmented_topk, topk_indices
 from lightning_gradcomp.compressors.sparse import HasDensity, _ValuesAndIndices, sparse_segments_protocol
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import Outcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
@@ -47,10 +48,8 @@ class DGC(HasDensity, _ValuesAndIndices):
     nothing is delayed, so nothing is masked: DGC then equals momentum SGD (as in the reference code),
     and tensors the strategy sends dense (``min_compress_numel``) also receive the momentum.
 
-    Selection (:mod:`~lightning_gradcomp.compressors.selection`): ``"blocks"`` (default) prunes the
-    search with block maxima and always finds the exact top-k set; ``"sampled"`` is the paper's threshold
-    estimated from ~1% of the elements, refined to exactly ``k``; ``"exact"`` uses ``torch.topk``. All three
-    send the same coordinates (up to ties); ``"blocks"`` is the cheapest. Every payload holds exactly ``k``
+    Selection (:mod:`~lightning_gradcomp.compressors.selection`): as Top-k's, ``"sampled"`` being the paper's
+    threshold estimated from ~1% of the elements, refined to exactly ``k``. Every payload holds exactly ``k``
     entries, so no size exchange is needed.
 
     Args:
@@ -80,13 +79,9 @@ class DGC(HasDensity, _ValuesAndIndices):
         sample_fraction: float = 0.01,
     ) -> None:
         self.density = density
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
-        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
-                                      or not clip_norm > 0 or math.isinf(clip_norm)):
-            raise ValueError(f"`clip_norm` must be None or a finite number > 0, got {clip_norm!r}")
-        self.momentum = float(momentum)
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.momentum = check_number(momentum, "momentum", "a number in [0, 1)", lambda value: 0.0 <= value < 1.0)
+        self.clip_norm = None if clip_norm is None else check_number(
+            clip_norm, "clip_norm", "None or a finite number > 0", lambda value: 0 < value < math.inf)
         self.scale_clip_by_workers = check_bool(scale_clip_by_workers, "scale_clip_by_workers")
         self.nesterov = check_bool(nesterov, "nesterov")
         self.selection = check_selection(selection)
@@ -96,9 +91,6 @@ class DGC(HasDensity, _ValuesAndIndices):
         return {"density": self.density, "momentum": self.momentum, "clip_norm": self.clip_norm,
                 "scale_clip_by_workers": self.scale_clip_by_workers, "nesterov": self.nesterov,
                 "selection": self.selection, "sample_fraction": self.sample_fraction}
-
-    def static_count(self, numel: int) -> Optional[int]:
-        return sparse_count(self.density, numel)
 
     def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
         return (count, 0) if count == numel else (count, count)
@@ -188,9 +180,8 @@ class DGC(HasDensity, _ValuesAndIndices):
     def segment_alignment(self, device: torch.device) -> Optional[int]:
         """Rows of 64 on accelerators (see :meth:`TopK.segment_alignment`), below density 1/4 (above it
         no row is pruned, and density 1's dense format is per tensor)."""
-        if self.selection == "exact" or host_reads_allowed(device) or self.density >= 0.25:
-            return None
-        return CONTIGUOUS_BLOCK
+        pruned = self.selection != "exact" and not host_reads_allowed(device) and self.density < 0.25
+        return CONTIGUOUS_BLOCK if pruned else None
 
     def exchange_segments(self, flat: Tensor, segments: Segments, contexts: Sequence[CompressContext],
                           state: SegmentsState) -> SegmentsProtocol:

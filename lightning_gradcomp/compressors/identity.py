@@ -1,13 +1,9 @@
 """Dense formats: no compression, and casts to 16-bit floats.
 
-``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are all-reducible: like PyTorch's
-``fp16_compress_hook`` they cast every tensor of a bucket, small ones included (one all-reduce per
-bucket), and the engine divides by the world size before the 16-bit all-reduce, so the
-sum stays within range whenever each worker's value does; a gradient element beyond fp16's ±65504
-still overflows in the cast (prefer ``BF16``, with fp32's range, for such models). ``FP16`` checks the
-finiteness of what it sends, not of the gradient, so such an overflow is a non-finite gradient: the
-bucket's result is NaN on every worker, its memory is unchanged, and the hook warns (asynchronously, as
-for a NaN: no host synchronisation), naming fp16's range.
+``FP16`` and ``BF16`` halve the bytes of an fp32 gradient. Their payloads are all-reducible, and the engine
+divides by the world size before the 16-bit all-reduce, so the sum stays within range whenever each worker's
+value does; a gradient element beyond fp16's ±65504 still overflows in the cast, which ``FP16`` treats as a
+non-finite gradient (prefer ``BF16``, with fp32's range, for such models).
 """
 
 from __future__ import annotations
@@ -32,13 +28,21 @@ class _DenseSegments(Compressor):
     it (:func:`~lightning_gradcomp.exchange.pipeline.WorkerPipeline.segments_protocol`): for ``none`` on fp32
     gradients one copy (the engine's merge into the all-reduce), one division and one write of the bucket."""
 
-    #: whole buckets on accelerators (one cast, one all-reduce, one write: a few kernels; the base's
-    #: :meth:`segment_alignment`), and the bucket-wise exchange never writes into ``flat`` (see the pipeline's
-    #: ``_input_as_flat``)
+    #: whole buckets on accelerators (one cast, one all-reduce, one write; the base's :meth:`segment_alignment`)
     capabilities = frozenset({"whole_bucket", "reads_flat_only"})
 
-    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
-        """The dtype the bucket is sent in."""
+    @property
+    def all_reducible(self) -> bool:
+        return True
+
+    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
+        return (numel,)
+
+    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
+        return Payload((tensor.to(self._wire(ctx, tensor)),), tensor.numel(), tensor.numel())
+
+    def _wire(self, ctx: CompressContext, tensor: Tensor) -> torch.dtype:
+        """The dtype a tensor (or the bucket) is sent in."""
         raise NotImplementedError
 
     def _check_sent(self, sent: Tensor, segments: Segments, contexts: Sequence[CompressContext]) -> None:
@@ -71,24 +75,14 @@ class NoCompression(_DenseSegments):
     biased = False
     capabilities = _DenseSegments.capabilities
 
-    @property
-    def all_reducible(self) -> bool:
-        return True
-
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (dtype,)
-
-    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
-        return (numel,)
-
-    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        return Payload((tensor.to(ctx.wire_dtype(tensor)),), tensor.numel(), tensor.numel())
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:
         out.add_(payload.parts[0], alpha=alpha)
 
-    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
-        return ctx.wire_dtype(flat)
+    def _wire(self, ctx: CompressContext, tensor: Tensor) -> torch.dtype:
+        return ctx.wire_dtype(tensor)
 
 
 class _Cast(_DenseSegments):
@@ -99,20 +93,10 @@ class _Cast(_DenseSegments):
     capabilities = _DenseSegments.capabilities | {"dense_segments"}
     wire_dtype: torch.dtype = torch.float16
 
-    @property
-    def all_reducible(self) -> bool:
-        return True
-
     def part_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (self.wire_dtype,)
 
-    def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
-        return (numel,)
-
-    def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
-        return Payload((tensor.to(self.wire_dtype),), tensor.numel(), tensor.numel())
-
-    def _wire(self, ctx: CompressContext, flat: Tensor) -> torch.dtype:
+    def _wire(self, ctx: CompressContext, tensor: Tensor) -> torch.dtype:
         return self.wire_dtype
 
     def accumulate(self, payload: Payload, out: Tensor, alpha: float = 1.0) -> None:

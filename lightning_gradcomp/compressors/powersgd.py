@@ -10,12 +10,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    CompressContext,
-    Compressor,
-    check_bool,
-    check_int,
-)
+from lightning_gradcomp.compressors.base import CompressContext, Compressor, check_bool, check_int
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.device import full_precision_matmuls, shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Mean, Outcome, Protocol, Round, SegmentsOutcome, SegmentsProtocol
 from lightning_gradcomp.core.segments import Segments, SegmentsState
@@ -65,17 +61,14 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     capabilities = frozenset({"whole_bucket"})  # the bucket's flat buffer as it is (the base's segment_alignment)
-    biased = True
 
     def __init__(self, rank: int = 2, start_step: int = 0, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
         self.rank = rank
         self.start_step = check_int(start_step, "start_step", 0)
         self.warm_start = check_bool(warm_start, "warm_start")
-        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
-                or not 1.0 <= min_compression_rate < math.inf:
-            raise ValueError(f"`min_compression_rate` must be a finite number >= 1, got {min_compression_rate!r}")
-        self.min_compression_rate = float(min_compression_rate)
+        self.min_compression_rate = check_number(min_compression_rate, "min_compression_rate", "a finite number >= 1",
+                                                 lambda value: 1.0 <= value < math.inf)
 
     @property
     def rank(self) -> int:
@@ -115,8 +108,9 @@ class PowerSGD(Compressor):
     # ------------------------------------------------------------------ the protocol
     def exchange(self, tensor: Tensor, ctx: CompressContext) -> Protocol:
         matrix = self.matrix_shape(ctx.shape) if ctx.shape else None
-        if matrix is None or ctx.step < self.start_step:
-            return (yield from _averaged(tensor, ctx.wire_dtype(tensor)))
+        if matrix is None or ctx.step < self.start_step:  # averaged uncompressed, in the gradient's dtype
+            (mean,) = yield Round([Mean(tensor.to(ctx.wire_dtype(tensor)))], last=True)
+            return Outcome(tensor.numel(), lambda residual: residual.zero_(), lambda out: out.copy_(mean))
         n, m, r = matrix
         compute = _compute_dtype(tensor.dtype)
         local = tensor.view(n, m).to(compute)
@@ -345,13 +339,6 @@ def orthogonalize(matrix: Tensor) -> Tensor:
             rest = matrix[:, i + 1:]
             rest.sub_(column @ (column.T @ rest))
     return matrix
-
-
-def _averaged(tensor: Tensor, wire_dtype: torch.dtype) -> Protocol:
-    """Uncompressed averaging (1-D tensors, small matrices, steps before ``start_step``), in the
-    gradient's dtype."""
-    (mean,) = yield Round([Mean(tensor.to(wire_dtype))], last=True)
-    return Outcome(tensor.numel(), lambda residual: residual.zero_(), lambda out: out.copy_(mean))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

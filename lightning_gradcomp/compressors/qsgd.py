@@ -149,14 +149,6 @@ class QSGD(Compressor):
         """One scale per tensor needs every tensor within one bucket of ``bucket_size``."""
         return self.bucket_size <= ROW_BUCKETS or all(numel <= self.bucket_size for numel in numels)
 
-    def _segment_norms(self, work: Tensor, segments: Segments) -> Tensor:
-        """One norm per bucket of every tensor, in tensor order: the rows' (``bucket_size`` rows), or one
-        per tensor from rows of 64."""
-        rows = work.view(segments.rows, -1)
-        if self.bucket_size <= ROW_BUCKETS:
-            return self._bucket_norms(rows)
-        return self._tensor_norms(rows, segments)
-
     def _tensor_norms(self, rows: Tensor, segments: Segments) -> Tensor:
         """``||v||_2`` per tensor from its rows."""
         squares = torch.linalg.vector_norm(rows, dim=1).square_()
@@ -170,7 +162,8 @@ class QSGD(Compressor):
         device, levels, bits = flat.device, self.levels, self.bits
         work = flat.to(self._work_dtype)
         row_count = segments.rows
-        norms = self._segment_norms(work, segments)
+        grid = work.view(row_count, -1)  # one norm per bucket of every tensor: the rows', or per tensor from them
+        norms = self._bucket_norms(grid) if self.bucket_size <= ROW_BUCKETS else self._tensor_norms(grid, segments)
         per_row = norms if self.bucket_size <= ROW_BUCKETS else segments.expand(norms).view(-1)
         per_row = per_row.clamp_min(torch.finfo(norms.dtype).tiny)
         noise = torch.full((segments.total,), levels + 0.5, dtype=work.dtype, device=device)

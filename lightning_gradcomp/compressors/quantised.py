@@ -68,7 +68,7 @@ class _QuantisedAllReduce(Compressor):
 
     #: Largest code magnitude: a block's values are scaled so that its peak maps to it.
     code_max: float = 127.0
-    #: Codes in one byte of the bucket-wise format (2 for the 4-bit codecs).
+    #: Codes in one byte (2 for the 4-bit codecs, packed two to a byte).
     _codes_per_byte: int = 1
 
     def __init__(self, block_size: int = 256, owner_error_feedback: bool = True) -> None:
@@ -85,8 +85,8 @@ class _QuantisedAllReduce(Compressor):
 
     # ------------------------------------------------------------------ the codec
     def _code_nbytes(self, numel: int) -> int:
-        """Bytes of the codes of ``numel`` elements."""
-        return numel
+        """Bytes of the codes of ``numel`` elements (4-bit codes packed by :func:`pack`)."""
+        return numel if self._codes_per_byte == 1 else packed_nbytes(numel, 4)
 
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """``(codes as uint8, one fp32 scale per block)`` of a ``(blocks, block_size)`` fp32 tensor: the
@@ -187,7 +187,8 @@ class _QuantisedAllReduce(Compressor):
         entries, none for a lone tensor), quantised in one pass, one all-to-all; the owner's average,
         residual and re-quantisation on its ``C`` elements; one gather; the blocks put back in place."""
         workers, device, block = contexts[0].world_size, flat.device, self.block_size
-        plan = _chunk_plan(segments, workers, block, device)
+        plan: _ChunkPlan = segments.constant(("chunks", workers, block), device,
+                                             lambda device: _ChunkPlan(segments, workers, block, device))
         blocks = flat.view(-1, block)
         if plan.gather is not None:
             own = blocks.index_select(0, plan.gather).to(torch.float32)
@@ -278,11 +279,6 @@ class _ChunkPlan:
         self.owner_layout = Segments(segments.names, tuple((q, block) for q in per_chunk), block)
 
 
-def _chunk_plan(segments: Segments, workers: int, block: int, device: torch.device) -> _ChunkPlan:
-    return segments.constant(("chunks", workers, block), device,  # type: ignore[return-value]
-                             lambda device: _ChunkPlan(segments, workers, block, device))
-
-
 class Int8AllReduce(_QuantisedAllReduce):
     r"""Quantised all-reduce with int8 codes: per block of ``block_size`` elements,
     :math:`q_i = \operatorname{round}(127\,x_i / \max_j |x_j|)` and one fp32 scale (8 bits plus
@@ -323,9 +319,6 @@ class Int4AllReduce(_QuantisedAllReduce):
     code_max = 7.0
     _codes_per_byte = 2
 
-    def _code_nbytes(self, numel: int) -> int:
-        return packed_nbytes(numel, 4)
-
     def _encode(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         scales = self._scales(blocks)
         codes = torch.round(blocks / scales.unsqueeze(1)).clamp_(-7, 7).add_(8).to(torch.uint8)
@@ -337,7 +330,8 @@ class Int4AllReduce(_QuantisedAllReduce):
         the pairs with ``(1, 16)`` plus 136 (exact: small integers)."""
         scales = self._block_scales(blocks)
         levels = torch.round(blocks / scales.unsqueeze(-1))
-        weights, offset = _pair_weights(blocks.device)
+        weights, offset = device_constant("int4 pair weights", blocks.device,
+                                          lambda: (torch.tensor([1.0, 16.0]), torch.tensor(136.0)))
         codes = torch.addmv(offset, levels.view(-1, 2), weights).to(torch.uint8)
         if hold:  # one byte per element until `dequantised` (int8 x fp32: the same products)
             levels = levels.to(torch.int8)
@@ -432,9 +426,6 @@ class FP4AllReduce(_QuantisedAllReduce):
     def hparams(self) -> dict[str, Any]:
         return {"format": self.format, **super().hparams()}
 
-    def _code_nbytes(self, numel: int) -> int:
-        return packed_nbytes(numel, 4)
-
     def _codes(self, scaled: Tensor, out_int32: bool = False) -> Tensor:
         """Each scaled value's code: the rank of its nearest signed value (:func:`_fp4_boundaries`)."""
         return torch.bucketize(scaled, _fp4_table(self.format, scaled.device)[1], out_int32=out_int32, right=True)
@@ -523,8 +514,3 @@ def _scaled(values: Tensor, scales: Tensor, out: Optional[Tensor], plus: Optiona
     if plus is None:
         return torch.mul(values, scales.unsqueeze(-1), out=out)
     return torch.addcmul(plus, values, scales.unsqueeze(-1), out=out)
-
-
-def _pair_weights(device: torch.device) -> tuple[Tensor, Tensor]:
-    """``((1, 16), 136)``: int4's byte of two levels ``r₀, r₁`` is ``(1, 16)·(r₀, r₁) + 136``."""
-    return device_constant("int4 pair weights", device, lambda: (torch.tensor([1.0, 16.0]), torch.tensor(136.0)))

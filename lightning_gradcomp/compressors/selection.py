@@ -112,14 +112,6 @@ def peak_magnitudes(grid: Tensor, dim: int) -> Tensor:
     return torch.linalg.vector_norm(grid, math.inf, dim=dim)
 
 
-def _with_tail(values: Tensor, full: int, candidates: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Append the elements after the last whole block (``values[full:]``) to the candidates."""
-    if full == values.numel():
-        return candidates, positions
-    tail = torch.arange(full, values.numel(), device=values.device)
-    return torch.cat([candidates, values[full:]]), torch.cat([positions, tail])
-
-
 def block_topk(values: Tensor, k: int, prune: Optional[bool] = None, report: bool = False) -> "Tensor | Selection":
     """Indices of the ``k`` largest ``|values_i|`` (unsorted), chosen among the ``k`` blocks with the
     largest peaks and the tail (see the module's docstring for why the set is exact).
@@ -215,8 +207,11 @@ def select_threshold(values: Tensor, threshold: float) -> Selection:
         indices = torch.nonzero(values.abs() >= threshold).view(-1)
         return Selection(indices, indices.numel(), finite)
     offsets = torch.arange(CONTIGUOUS_BLOCK, device=values.device)
-    candidates, positions = _with_tail(values, full, grid.index_select(0, blocks).view(-1),
-                                       (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1))
+    candidates = grid.index_select(0, blocks).view(-1)
+    positions = (blocks.unsqueeze(1) * CONTIGUOUS_BLOCK + offsets).view(-1)
+    if full < numel:  # the elements after the last whole block are candidates too
+        tail = torch.arange(full, numel, device=values.device)
+        candidates, positions = torch.cat([candidates, values[full:]]), torch.cat([positions, tail])
     indices = positions[torch.nonzero(candidates.abs() >= threshold).view(-1)]
     return Selection(indices, indices.numel(), finite)
 

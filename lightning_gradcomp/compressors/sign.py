@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.compressors.bitpack import pack, pack_signs, packed_nbytes, unpack, unpack_signs
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.device import host_reads_allowed, to_device
 from lightning_gradcomp.core.protocol import (
     Gather,
@@ -169,10 +170,8 @@ class SignSGD(_ScaledSigns):
     def __init__(self, scale: Literal["mean", "none"] = "mean", momentum: float = 0.0) -> None:
         if scale not in ("mean", "none"):
             raise ValueError(f"`scale` must be 'mean' or 'none', got {scale!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
         self.scale = scale
-        self.momentum = float(momentum)
+        self.momentum = check_number(momentum, "momentum", "a number in [0, 1)", lambda value: 0.0 <= value < 1.0)
 
     def hparams(self) -> dict[str, Any]:
         return {"scale": self.scale, "momentum": self.momentum}

@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors.selection import (
     select_threshold,
     select_topk,
 )
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.device import host_reads_allowed, shared_draw_generator_device, to_device
 from lightning_gradcomp.core.protocol import Gather, Mean, Round, SegmentsOutcome, SegmentsProtocol, stacked
 from lightning_gradcomp.core.segments import Segments, SegmentsState, index_dtype
@@ -75,10 +76,14 @@ def sparse_segments_protocol(flat: Tensor, positions: Tensor, segments: Segments
         received = stacked(rows, 0).to(out.dtype)
         index_sum_(out, indices.view(-1), received.reshape(-1), alpha=1.0 / len(rows))
 
-    def subtract(residual: Tensor) -> None:
-        residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
+    return _sent_from(positions, sent, counts, write)
 
-    return SegmentsOutcome(counts, subtract, write, adds=True)  # scatter-adds into the buffer
+
+def _sent_from(positions: Tensor, sent: Tensor, counts: Sequence[int], write) -> SegmentsOutcome:
+    """The outcome of a bucket's payload ``sent`` from ``positions`` of the flat buffer (subtracted there from the
+    residual), whose ``write`` scatter-adds into its buffer."""
+    return SegmentsOutcome(counts, lambda residual: residual.index_add_(0, positions, sent.to(residual.dtype),
+                                                                        alpha=-1.0), write, adds=True)
 
 
 def _slot_starts(segments: Segments, counts: tuple[int, ...], device: torch.device) -> Tensor:
@@ -102,6 +107,9 @@ class HasDensity:
     @density.setter
     def density(self, value: float) -> None:
         self._density = check_density(value)
+
+    def static_count(self, numel: int) -> Optional[int]:
+        return sparse_count(self.density, numel)
 
 
 class TopK(HasDensity, _ValuesAndIndices):
@@ -129,9 +137,6 @@ class TopK(HasDensity, _ValuesAndIndices):
 
     def hparams(self) -> dict[str, Any]:
         return {"density": self.density, "selection": self.selection}
-
-    def static_count(self, numel: int) -> Optional[int]:
-        return sparse_count(self.density, numel)
 
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         k = sparse_count(self.density, tensor.numel())
@@ -196,9 +201,6 @@ class RandomK(HasDensity, _ValuesAndIndices):
     def payload_numels(self, numel: int, count: int) -> tuple[int, ...]:
         return (count,) if self.shared_indices else (count, count)
 
-    def static_count(self, numel: int) -> Optional[int]:
-        return sparse_count(self.density, numel)
-
     def compress(self, tensor: Tensor, ctx: CompressContext) -> Payload:
         numel = tensor.numel()
         k = sparse_count(self.density, numel)
@@ -234,10 +236,7 @@ class RandomK(HasDensity, _ValuesAndIndices):
         def write(out: Tensor) -> None:  # out holds the verdict flag (adds): NaN results for a void bucket
             out.index_add_(0, positions, mean.to(out.dtype))
 
-        def subtract(residual: Tensor) -> None:
-            residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
-
-        return SegmentsOutcome(counts, subtract, write, adds=True)
+        return _sent_from(positions, sent, counts, write)
 
 
 def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -327,9 +326,7 @@ class HardThreshold(_ValuesAndIndices):
 
     @threshold.setter
     def threshold(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
-            raise ValueError(f"`threshold` must be a finite number >= 0, got {value!r}")
-        self._threshold = float(value)
+        self._threshold = check_number(value, "threshold", "a finite number >= 0", lambda number: 0 <= number < math.inf)
 
     def hparams(self) -> dict[str, Any]:
         return {"threshold": self.threshold}
@@ -385,7 +382,4 @@ class HardThreshold(_ValuesAndIndices):
             indices = torch.cat([row.parts[1] for row in rows])
             index_sum_(out, indices, values, alpha=1.0 / len(rows))
 
-        def subtract(residual: Tensor) -> None:
-            residual.index_add_(0, positions, sent.to(residual.dtype), alpha=-1.0)
-
-        return SegmentsOutcome(counts, subtract, write, adds=True)
+        return _sent_from(positions, sent, counts, write)

@@ -16,10 +16,8 @@ when used every step)::
 Indices within a chunk take ⌈log₂ L⌉ bits (12 for 4096), bit-packed. At the defaults an fp32 tensor
 costs 64·(12 + 2)/8 bytes + 16 per tensor per 4096 elements: about 146x fewer bytes than fp32.
 
-On accelerators a whole bucket is compressed at once (:meth:`SparseLoCo.exchange_segments`): the tensors
-grouped by chunk length, each group's chunks gathered into one matrix, selected by one ``topk``, the
-per-tensor statistics and lookups by segmented reductions (the per-tensor path reduces its statistics
-the same way): the same values as per tensor, bit for bit.
+On accelerators a whole bucket is compressed at once (:meth:`SparseLoCo.exchange_segments`), with the same
+values as per tensor, bit for bit (both paths reduce the statistics by segmented reductions).
 
 Chunks here are contiguous runs of ``L`` elements of the flattened tensor (the paper tiles 2-D weights
 in 64 x 64 blocks; for a row-major weight whose rows hold at least ``L`` elements the two coincide
@@ -38,6 +36,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import CompressContext, Compressor, Payload, take_verdict
 from lightning_gradcomp.compressors.bitpack import pack, pack_rows, packed_nbytes, unpack, unpack_rows
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.core.device import device_constant, to_device
 from lightning_gradcomp.core.protocol import Gather, Outcome, Round, SegmentsOutcome, SegmentsProtocol, stacked
@@ -72,9 +71,7 @@ class SparseLoCo(Compressor):
         if self.k > self.chunk:
             raise ValueError(f"`k` must be at most `chunk` ({self.chunk}), got {k!r}")
         self.bits = None if bits is None else check_int(bits, "bits", 1, 8)
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
-            raise ValueError(f"`decay` must be a number in [0, 1], got {decay!r}")
-        self.decay = float(decay)
+        self.decay = check_number(decay, "decay", "a number in [0, 1]", lambda value: 0.0 <= value <= 1.0)
         if aggregate not in ("chosen", "all"):
             raise ValueError(f"`aggregate` must be 'chosen' or 'all', got {aggregate!r}")
         self.aggregate = aggregate
@@ -138,7 +135,9 @@ class SparseLoCo(Compressor):
         the values of each code (the decoder's lookup; 0 for an empty bin). No host read."""
         levels = 2 ** self.bits
         values = values.float()
-        mean, std = _mean_and_deviation(values, _one_segment(values.numel(), values.device))
+        numel = values.numel()  # one segment, its length kept on the device (no host copy in the steady state)
+        mean, std = _mean_and_deviation(values, device_constant(("one segment", numel), values.device,
+                                                                lambda: torch.tensor([numel])))
         step = (std * (6.0 / levels)).clamp_min(torch.finfo(torch.float32).tiny)
         # nan_to_num: a non-finite input (voided by the bucket's verdict) must still give valid codes
         codes = ((values - mean) / step + levels // 2).nan_to_num_(0.0).round_().clamp_(0, levels - 1).to(torch.int64)
@@ -296,11 +295,6 @@ def _mean_and_deviation(values: Tensor, lengths: Tensor, member: Optional[Tensor
     mean = torch.segment_reduce(values.reshape(-1), "mean", lengths=lengths, unsafe=True)
     centered = values - (mean if member is None else mean.index_select(0, member).unsqueeze(1))
     return mean, torch.segment_reduce(centered.square().view(-1), "mean", lengths=lengths, unsafe=True).sqrt_()
-
-
-def _one_segment(numel: int, device: torch.device) -> Tensor:
-    """``[numel]`` as a segment length on ``device``, kept (no host copy in the steady state)."""
-    return device_constant(("one segment", numel), device, lambda: torch.tensor([numel]))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import CompressContext, Payload, check_int
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.selection import peak_magnitudes
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.segments import Segments
 
 #: A block size no tensor reaches: one scale per tensor.
@@ -45,10 +46,8 @@ class TernGrad(QSGD):
     def __init__(self, block_size: Optional[int] = None, clip_sigma: Optional[float] = None) -> None:
         super().__init__(levels=1, bucket_size=_WHOLE_TENSOR if block_size is None else
                          check_int(block_size, "block_size", 1))
-        if clip_sigma is not None and (isinstance(clip_sigma, bool) or not isinstance(clip_sigma, (int, float))
-                                       or not clip_sigma > 0 or math.isinf(clip_sigma)):
-            raise ValueError(f"`clip_sigma` must be None or a finite number > 0, got {clip_sigma!r}")
-        self.clip_sigma = None if clip_sigma is None else float(clip_sigma)
+        self.clip_sigma = None if clip_sigma is None else check_number(
+            clip_sigma, "clip_sigma", "None or a finite number > 0", lambda value: 0 < value < math.inf)
 
     @property
     def levels(self) -> int:

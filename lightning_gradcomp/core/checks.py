@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 
 def check_density(density: float, parameter: str = "density") -> float:
@@ -27,3 +27,10 @@ def check_bool(value: bool, parameter: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"`{parameter}` must be True or False, got {value!r}")
     return value
+
+
+def check_number(value: float, parameter: str, allowed: str, test: Callable[[float], bool]) -> float:
+    """Validate a number (not a bool) that passes ``test``, as a float; ``allowed`` says which in the error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not test(value):
+        raise ValueError(f"`{parameter}` must be {allowed}, got {value!r}")
+    return float(value)

@@ -57,7 +57,26 @@ class DigitsDataModule(L.LightningDataModule):
         return DataLoader(self.test_set, batch_size=256)
 
 
-class DigitsClassifier(L.LightningModule):
+class _Classifier(L.LightningModule):
+    """A classifier's forward pass (``self.net``) and its validation and test steps (``val_acc``, ``test_acc``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
+
+
+class DigitsClassifier(_Classifier):
     """A two-hidden-layer MLP (64 -> hidden -> hidden -> 10) trained with SGD.
 
     Args:
@@ -74,26 +93,11 @@ class DigitsClassifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=10, average="micro")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.val_acc(logits, y)
-        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.test_acc(self(x), y)
-        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(

@@ -110,15 +110,11 @@ class PTBDataModule(L.LightningDataModule):
         self.vocab = Vocabulary(texts["train"])
         self.ids = {split: torch.tensor(self.vocab.encode(words), dtype=torch.long) for split, words in texts.items()}
 
-    def _rank_block(self) -> tuple[int, int]:
+    def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if self.batch_size % world:
             raise ValueError(f"`batch_size` ({self.batch_size}) must be divisible by the number of processes ({world})")
-        return world, rank
-
-    def train_dataloader(self) -> DataLoader:
-        world, rank = self._rank_block()
         streams = batchify(self.ids["train"], self.batch_size)
         width = self.batch_size // world
         return DataLoader(BPTTChunks(streams[:, rank * width:(rank + 1) * width], self.bptt), batch_size=None)

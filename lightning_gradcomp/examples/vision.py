@@ -20,6 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_gradcomp.examples.digits import _Classifier
+
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 _FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                   "t10k-labels-idx1-ubyte")
@@ -33,7 +35,7 @@ def _torchvision():
     return torchvision
 
 
-class ImageClassifier(L.LightningModule):
+class ImageClassifier(_Classifier):
     """Cross-entropy classifier around any backbone, with accuracy from torchmetrics; SGD or AdamW.
 
     Args:
@@ -63,26 +65,11 @@ class ImageClassifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.val_acc(logits, y)
-        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def test_step(self, batch, batch_idx):
-        x, y = batch
-        self.test_acc(self(x), y)
-        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self):
         if self.hparams.optimizer == "adamw":
@@ -120,14 +107,21 @@ def fashion_mlp(num_classes: int = 10) -> nn.Module:
 
 
 class _SplitDataModule(L.LightningDataModule):
-    """Train/validation split of a training set, plus its test set."""
+    """Train/validation split of a torchvision training set, plus its test set."""
 
     def __init__(self, data_dir: str, batch_size: int, val_size: int, num_workers: int, split_seed: int = 0) -> None:
         super().__init__()
         self.data_dir, self.batch_size, self.val_size = data_dir, batch_size, val_size
         self.num_workers, self.split_seed = num_workers, split_seed
 
-    def _split(self, full_train) -> None:
+    def _load(self, dataset, train_transform, test_transform, missing: str) -> None:
+        """The torchvision ``dataset`` read from ``data_dir``, its training set split; ``missing``: the message
+        where it is not there."""
+        try:
+            full_train = dataset(self.data_dir, train=True, transform=train_transform)
+            self.test_set = dataset(self.data_dir, train=False, transform=test_transform)
+        except RuntimeError as err:
+            raise FileNotFoundError(missing) from err
         generator = torch.Generator().manual_seed(self.split_seed)
         self.train_set, self.val_set = random_split(full_train, [len(full_train) - self.val_size, self.val_size],
                                                     generator=generator)
@@ -172,15 +166,9 @@ class CIFAR10DataModule(_SplitDataModule):
         t = tv.transforms
         normalize = t.Normalize(self.MEAN, self.STD)
         train_tf = t.Compose([t.RandomCrop(32, padding=4), t.RandomHorizontalFlip(), t.ToTensor(), normalize])
-        test_tf = t.Compose([t.ToTensor(), normalize])
-        try:
-            full = tv.datasets.CIFAR10(self.data_dir, train=True, transform=train_tf)
-            self.test_set = tv.datasets.CIFAR10(self.data_dir, train=False, transform=test_tf)
-        except RuntimeError as err:
-            raise FileNotFoundError(
-                f"CIFAR-10 not found in data_dir={self.data_dir!r}; put cifar-10-batches-py there or set download=True"
-            ) from err
-        self._split(full)
+        self._load(tv.datasets.CIFAR10, train_tf, t.Compose([t.ToTensor(), normalize]),
+                   f"CIFAR-10 not found in data_dir={self.data_dir!r}; put cifar-10-batches-py there or set "
+                   "download=True")
 
 
 class FashionMNISTDataModule(_SplitDataModule):
@@ -219,12 +207,6 @@ class FashionMNISTDataModule(_SplitDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         tv = _torchvision()
         transform = tv.transforms.Compose([tv.transforms.ToTensor(), tv.transforms.Normalize((0.2860,), (0.3530,))])
-        try:
-            full = tv.datasets.FashionMNIST(self.data_dir, train=True, transform=transform)
-            self.test_set = tv.datasets.FashionMNIST(self.data_dir, train=False, transform=transform)
-        except RuntimeError as err:
-            raise FileNotFoundError(
-                f"Fashion-MNIST not found under data_dir={self.data_dir!r} nor debian_dir={self.debian_dir!r}; "
-                "apt-get install dataset-fashion-mnist, or set download=True"
-            ) from err
-        self._split(full)
+        self._load(tv.datasets.FashionMNIST, transform, transform,
+                   f"Fashion-MNIST not found under data_dir={self.data_dir!r} nor debian_dir={self.debian_dir!r}; "
+                   "apt-get install dataset-fashion-mnist, or set download=True")

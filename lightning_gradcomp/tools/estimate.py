@@ -41,7 +41,7 @@ import statistics
 import time
 import typing
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import yaml
@@ -55,17 +55,12 @@ from lightning_gradcomp.tools.presets import preset_root
 
 #: The compressors priced by default (one or two settings per family; ``--compressors all`` prices every
 #: preset in ``configs/compressors``, see :func:`preset_root`), and what is used where those are not on disk.
-DEFAULT_COMPRESSORS = {
-    "topk_50x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.01}},
-    "topk_500x": {"class_path": "lightning_gradcomp.compressors.TopK", "init_args": {"density": 0.001}},
-    "dgc_500x": {"class_path": "lightning_gradcomp.compressors.DGC", "init_args": {"density": 0.001}},
-    "powersgd_r2": {"class_path": "lightning_gradcomp.compressors.PowerSGD", "init_args": {"rank": 2}},
-    "qsgd_8bit": {"class_path": "lightning_gradcomp.compressors.QSGD", "init_args": {"levels": 127}},
-    "efsignsgd": {"class_path": "lightning_gradcomp.compressors.EFSignSGD", "init_args": {}},
-    "int8_allreduce": {"class_path": "lightning_gradcomp.compressors.Int8AllReduce", "init_args": {}},
-    "fp4_allreduce": {"class_path": "lightning_gradcomp.compressors.FP4AllReduce", "init_args": {}},
-    "sparseloco": {"class_path": "lightning_gradcomp.compressors.SparseLoCo", "init_args": {}},
-}
+DEFAULT_COMPRESSORS = {name: {"class_path": f"lightning_gradcomp.compressors.{cls}", "init_args": init_args}
+                       for name, cls, init_args in (
+    ("topk_50x", "TopK", {"density": 0.01}), ("topk_500x", "TopK", {"density": 0.001}),
+    ("dgc_500x", "DGC", {"density": 0.001}), ("powersgd_r2", "PowerSGD", {"rank": 2}),
+    ("qsgd_8bit", "QSGD", {"levels": 127}), ("efsignsgd", "EFSignSGD", {}), ("int8_allreduce", "Int8AllReduce", {}),
+    ("fp4_allreduce", "FP4AllReduce", {}), ("sparseloco", "SparseLoCo", {}))}
 MAX_SIMULATED = 8
 _BANDWIDTH = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(gbit|mbit|kbit|gbps|mbps|kbps|gb|mb)?\s*$", re.I)
 _LATENCY = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(us|µs|ms|s|ns)?\s*$", re.I)
@@ -177,18 +172,6 @@ def load_compressors(names: Optional[list[str]] = None) -> dict[str, Compressor]
     return built
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def measure_compute(model: nn.Module, batch_shape: tuple[int, ...], input_dtype: torch.dtype, device: torch.device,
                     repeats: int, vocab: int = 10000) -> float:
     """Median seconds of one forward + backward pass and an SGD step on a random batch (loss: mean of the
@@ -208,7 +191,15 @@ def measure_compute(model: nn.Module, batch_shape: tuple[int, ...], input_dtype:
         output.float().pow(2).mean().backward()
         optimizer.step()
 
-    return _median_seconds(step, repeats)
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 @dataclass
@@ -376,14 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Optional[list[str]] = None) -> list[Prediction]:
     """Run the estimator (``argv`` replaces the command line after ``estimate``); returns the predictions."""
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
-        raise ValueError(f"`--workers` must be an integer >= 1, got {args.workers}")
-    if args.repeats < 1:
-        raise ValueError(f"`--repeats` must be an integer >= 1, got {args.repeats}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"`--threads` must be an integer >= 1 (or left out: torch's default), got {args.threads}")
-    if args.sync_every is not None and args.sync_every < 1:
-        raise ValueError(f"`--sync-every` must be an integer >= 1, got {args.sync_every}")
+    for flag, value, note in (("--workers", args.workers, ""), ("--repeats", args.repeats, ""),
+                              ("--threads", args.threads, " (or left out: torch's default)"),
+                              ("--sync-every", args.sync_every, "")):
+        if value is not None and value < 1:
+            raise ValueError(f"`{flag}` must be an integer >= 1{note}, got {value}")
     try:
         batch_shape = tuple(int(size) for size in args.batch_shape.split(","))
     except ValueError:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.core.checks import check_number
 from lightning_gradcomp.core.checks import check_int
 from lightning_gradcomp.lightning.callbacks._access import exchange_state, strategy_compressor
 
@@ -311,9 +312,7 @@ class GradientNormTrigger(Callback):
     def __init__(self, low: Level, high: Level, window: int = 1, ratio: float = 0.5) -> None:
         self.low, self.high = _check_levels([low, high], "low/high")
         self.window = check_int(window, "window", 1)
-        if isinstance(ratio, bool) or not (isinstance(ratio, (int, float)) and 0 < ratio < math.inf):
-            raise ValueError(f"`ratio` must be a number > 0, got {ratio!r}")
-        self.ratio = float(ratio)
+        self.ratio = check_number(ratio, "ratio", "a number > 0", lambda value: 0 < value < math.inf)
         self.critical = True  # the first window is critical (ACCORDION starts with low compression)
         self.previous_norms: dict[str, float] = {}
         self.critical_names: list[str] = []
