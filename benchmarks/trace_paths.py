@@ -16,6 +16,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -37,7 +38,6 @@ def traced(files: set[str]) -> Iterator[None]:
             path = frame.f_code.co_filename
             if path.startswith(str(PACKAGE)):
                 files.add(str(Path(path).relative_to(PACKAGE)))
-    import threading
     sys.setprofile(profile)
     threading.setprofile(profile)
     try:
@@ -59,12 +59,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, backward: Callable
     optimizer.zero_grad()
 
 
-def ddp_bucket() -> set[str]:
-    model = nn.parallel.DistributedDataParallel(_model())
-    handle = lightning_gradcomp.register(model, "topk", min_compress_numel=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    handle.bind(optimizer)
-    _step(model, optimizer, lambda loss: loss.backward())  # the first step: DDP builds its buckets
+def _second_backward(model: nn.Module, optimizer: torch.optim.Optimizer, handle) -> set[str]:  # noqa: ANN001
+    """The files the second step's backward passes through (the first builds DDP's buckets), then ``handle`` closed."""
+    _step(model, optimizer, lambda loss: loss.backward())
     files: set[str] = set()
 
     def backward(loss: torch.Tensor) -> None:
@@ -73,6 +70,14 @@ def ddp_bucket() -> set[str]:
     _step(model, optimizer, backward)
     handle.close()
     return files
+
+
+def ddp_bucket() -> set[str]:
+    model = nn.parallel.DistributedDataParallel(_model())
+    handle = lightning_gradcomp.register(model, "topk", min_compress_numel=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle.bind(optimizer)
+    return _second_backward(model, optimizer, handle)
 
 
 def fsdp_shard() -> set[str]:
@@ -86,16 +91,7 @@ def fsdp_shard() -> set[str]:
             fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     handle = lightning_gradcomp.register_fsdp(model, mesh, "topk", min_compress_numel=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, optimizer, lambda loss: loss.backward())
-    files: set[str] = set()
-
-    def backward(loss: torch.Tensor) -> None:
-        with traced(files):
-            loss.backward()
-    _step(model, optimizer, backward)
-    handle.close()
-    return files
+    return _second_backward(model, torch.optim.SGD(model.parameters(), lr=0.1), handle)
 
 
 def fault_tolerant_outer_step() -> set[str]:
